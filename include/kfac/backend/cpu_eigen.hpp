@@ -1,0 +1,298 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file cpu_eigen.hpp
+/// The CPU backend: Eigen matrices, with CBLAS/LAPACKE (OpenBLAS) fast paths when
+/// KFAC_HAS_LAPACK is 1. The header-only fallback uses Eigen alone.
+///
+/// **Backend policy.** A backend is a type that provides, all static unless noted:
+/// ```
+///   using scalar_type;                    // float or double
+///   using matrix;  using vector;          // dense storage of factors and second-order data
+///   static matrix identity(index n);
+///   // Factor statistics: sum(lower) = beta·sum + alpha·X̃ᵀX̃ of one batch (golden §4),
+///   // reading the layer's views in place; `ws` is scratch the backend may keep.
+///   static void accumulate_a_statistic(matrix& sum, const layer_description&,
+///                                      tensor_view<const scalar_type> input,
+///                                      conv_patch_mode, scalar_type beta, workspace& ws);
+///   static void accumulate_g_statistic(matrix& sum, const layer_description&,
+///                                      tensor_view<const scalar_type> grad_output,
+///                                      scalar_type beta, workspace& ws);
+///   // F ← decay·F + weight·sym(sum), where only sum's lower triangle is meaningful.
+///   static void running_average(matrix& F, matrix& sum, scalar_type decay, scalar_type weight);
+///   static bool symmetric_eigen(const matrix& M, matrix& Q, vector& lambda);  // ascending
+///   static bool damped_inverse(const matrix& M, scalar_type damping, matrix& inverse);
+///   // C = op(A)·op(B); trans_a / trans_b select the transpose.
+///   static void multiply(const matrix& A, bool trans_a, const matrix& B, bool trans_b, matrix& C);
+///   static matrix zeros(index rows, index cols);
+///   static bool all_finite(const matrix&);
+///   static bool lower_all_finite(const matrix&);
+///   // Gradient transfer between the host's views and backend storage: Γ = [∇W | ∇b].
+///   static void load_gradient(matrix& gamma, tensor_view<const scalar_type> w,
+///                             tensor_view<const scalar_type> b);
+///   static void store_gradient(const matrix& P, scalar_type scale,
+///                              tensor_view<scalar_type> w, tensor_view<scalar_type> b);
+///   static double frobenius_dot(const matrix& X, const matrix& Y);  // Σ X∘Y, in double
+/// ```
+/// Returning false from symmetric_eigen / damped_inverse means "no usable result"; the
+/// preconditioner then keeps the previous second-order data.
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Cholesky>
+#include <Eigen/Core>
+#include <Eigen/Eigenvalues>
+#include <Eigen/LU>
+
+#include "kfac/backend/detail/blas_lapack.hpp"
+#include "kfac/config.hpp"
+#include "kfac/layers/im2col.hpp"
+#include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/tensor_view.hpp"
+#include "kfac/options.hpp"
+
+namespace kfac::backend {
+
+/// CPU backend over Eigen (and OpenBLAS/LAPACKE when KFAC_HAS_LAPACK).
+/// @tparam Scalar float or double: the precision of factors, decompositions and gradients.
+template <class Scalar = float>
+struct cpu_eigen {
+    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
+                  "kfac::backend::cpu_eigen<Scalar>: Scalar must be float or double");
+
+    using scalar_type = Scalar;
+    using index = std::int64_t;
+    using matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+    using vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+    using row_major_map = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
+                                     0, Eigen::OuterStride<>>;
+
+    /// Scratch kept per layer between calls, so steady-state steps do not allocate.
+    struct workspace {
+        std::vector<Scalar> patches;
+    };
+
+    static matrix identity(index n) { return matrix::Identity(n, n); }
+    static matrix zeros(index rows, index cols) { return matrix::Zero(rows, cols); }
+
+    using block_map = Eigen::Map<matrix, 0, Eigen::OuterStride<>>;
+
+    /// Lower triangle of the leading n × n block of C (leading dimension ldc):
+    /// C = beta·C + alpha·XᵀX for a row-major rows × n X (rows are samples).
+    static void gram_of_rows(Scalar* C, index ldc, const Scalar* X, index rows, index n,
+                             Scalar alpha, Scalar beta) {
+#if KFAC_HAS_LAPACK
+        detail::syrk(CblasNoTrans, static_cast<int>(n), static_cast<int>(rows), alpha, X,
+                     static_cast<int>(n), beta, C, static_cast<int>(ldc));
+#else
+        block_map c(C, n, n, Eigen::OuterStride<>(ldc));
+        scale_lower(c, beta);
+        Eigen::Map<const matrix> xt(X, n, rows);
+        c.template selfadjointView<Eigen::Lower>().rankUpdate(xt, alpha);
+#endif
+    }
+
+    /// Lower triangle of the leading n × n block of C: C = beta·C + alpha·YYᵀ for a
+    /// row-major n × k Y with leading dimension ld.
+    static void gram_of_cols(Scalar* C, index ldc, const Scalar* Y, index n, index k, index ld,
+                             Scalar alpha, Scalar beta) {
+#if KFAC_HAS_LAPACK
+        detail::syrk(CblasTrans, static_cast<int>(n), static_cast<int>(k), alpha, Y,
+                     static_cast<int>(ld), beta, C, static_cast<int>(ldc));
+#else
+        block_map c(C, n, n, Eigen::OuterStride<>(ldc));
+        scale_lower(c, beta);
+        row_major_map y(Y, n, k, Eigen::OuterStride<>(ld));
+        c.template selfadjointView<Eigen::Lower>().rankUpdate(y, alpha);
+#endif
+    }
+
+    /// Adds beta·C + alpha·(column sums of X) to the bias row of the lower triangle: the
+    /// products of every column with the bias's ones column, and alpha·rows at the corner.
+    static void add_bias_row(matrix& C, const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>& sums,
+                             index rows, Scalar alpha, Scalar beta) {
+        // beta == 0 must not read C: 0 · (uninitialised NaN) would be NaN.
+        const index last = C.rows() - 1;
+        auto old = [&](index j) { return beta == Scalar(0) ? Scalar(0) : beta * C(last, j); };
+        for (index j = 0; j < last; ++j) C(last, j) = old(j) + alpha * sums(j);
+        C(last, last) = old(last) + alpha * static_cast<Scalar>(rows);
+    }
+
+    /// A statistic of one batch (golden/README.md §4.1, §4.2), added to `sum` as
+    /// sum = beta·sum + X̃ᵀX̃ / (N·S³) (S = 1 for linear layers; lower triangle).
+    static void accumulate_a_statistic(matrix& sum, const layer_description& d,
+                                       tensor_view<const Scalar> a, conv_patch_mode mode,
+                                       Scalar beta, workspace& ws) {
+        const index cols = d.weight_columns();
+        if (d.kind == layer_kind::linear) {
+            const index rows = a.size() / cols;
+            const Scalar alpha = Scalar(1) / static_cast<Scalar>(rows);
+            gram_of_rows(sum.data(), sum.rows(), a.data, rows, cols, alpha, beta);
+            if (d.bias) {
+                row_major_map x(a.data, rows, cols, Eigen::OuterStride<>(cols));
+                add_bias_row(sum, x.colwise().sum(), rows, alpha, beta);
+            }
+            return;
+        }
+        const index n = a.extent(0), channels = a.extent(1), height = a.extent(2),
+                    width = a.extent(3);
+        const patch_grid grid = make_patch_grid(d.conv, height, width, mode);
+        const index spatial = grid.positions();
+        const Scalar s = static_cast<Scalar>(spatial);
+        // Σ (x̃/S)(x̃/S)ᵀ / (N·S) = X̃ᵀX̃ / (N·S³), the reference's scaling.
+        const Scalar alpha = Scalar(1) / (static_cast<Scalar>(n) * s * s * s);
+        const index total_rows = n * grid.rows;  // (sample, grid row) pairs
+        const index chunk_rows = std::max<index>(
+            1, KFAC_IM2COL_CHUNK_ROWS / std::max<index>(1, grid.cols));
+        const index ld = chunk_rows * grid.cols;
+        ws.patches.resize(static_cast<std::size_t>(cols * ld));
+        Eigen::Matrix<Scalar, 1, Eigen::Dynamic> sums =
+            Eigen::Matrix<Scalar, 1, Eigen::Dynamic>::Zero(cols);
+        for (index first = 0; first < total_rows; first += chunk_rows) {
+            const index count = std::min(chunk_rows, total_rows - first);
+            const index k = count * grid.cols;
+            extract_patches_transposed(a.data, channels, height, width, d.conv, grid, first,
+                                       count, ws.patches.data(), ld);
+            const Scalar b = first == 0 ? beta : Scalar(1);
+            gram_of_cols(sum.data(), sum.rows(), ws.patches.data(), cols, k, ld, alpha, b);
+            if (d.bias) {
+                row_major_map p(ws.patches.data(), cols, k, Eigen::OuterStride<>(ld));
+                sums += p.rowwise().sum().transpose();
+            }
+        }
+        if (d.bias) add_bias_row(sum, sums, n * spatial, alpha, beta);
+    }
+
+    /// G statistic of one batch: sum = beta·sum + YᵀY / (N·S³) (golden §4.1, §4.2 step 5).
+    static void accumulate_g_statistic(matrix& sum, const layer_description& d,
+                                       tensor_view<const Scalar> g, Scalar beta, workspace&) {
+        const index out = d.out;
+        if (d.kind == layer_kind::linear) {
+            const index rows = g.size() / out;
+            gram_of_rows(sum.data(), sum.rows(), g.data, rows, out,
+                         Scalar(1) / static_cast<Scalar>(rows), beta);
+            return;
+        }
+        const index n = g.extent(0), spatial = g.extent(2) * g.extent(3);
+        const Scalar s = static_cast<Scalar>(spatial);
+        const Scalar alpha = Scalar(1) / (static_cast<Scalar>(n) * s * s * s);
+        // Sample i's gradient is a C_out × S row-major block: its rows are the channels.
+        for (index i = 0; i < n; ++i)
+            gram_of_cols(sum.data(), sum.rows(), g.data + i * out * spatial, out, spatial,
+                         spatial, alpha, i == 0 ? beta : Scalar(1));
+    }
+
+    /// F ← decay·F + weight·sum, after mirroring sum's lower triangle into its upper one.
+    static void running_average(matrix& F, matrix& sum, Scalar decay, Scalar weight) {
+        sum.template triangularView<Eigen::StrictlyUpper>() = sum.transpose();
+        F = decay * F + weight * sum;
+    }
+
+    static bool symmetric_eigen(const matrix& M, matrix& Q, vector& lambda) {
+        if (!all_finite(M)) return false;
+#if KFAC_HAS_LAPACK
+        if (M.rows() > KFAC_EIGEN_SOLVER_MAX_DIM) {
+            Q = M;
+            lambda.resize(M.rows());
+            const int info = detail::syevd(static_cast<int>(M.rows()), Q.data(),
+                                           static_cast<int>(Q.rows()), lambda.data());
+            return info == 0 && all_finite(Q) && lambda.allFinite();
+        }
+#endif
+        Eigen::SelfAdjointEigenSolver<matrix> solver(M, Eigen::ComputeEigenvectors);
+        if (solver.info() != Eigen::Success) return false;
+        Q = solver.eigenvectors();
+        lambda = solver.eigenvalues();
+        return all_finite(Q) && lambda.allFinite();
+    }
+
+    /// inverse = (M + damping·I)⁻¹ by Cholesky (potrf + potri: half the flops of LU, see
+    /// perf-anchors §5), falling back to LU when rounding leaves the matrix not quite SPD.
+    static bool damped_inverse(const matrix& M, Scalar damping, matrix& inverse) {
+        if (!all_finite(M)) return false;
+        inverse = M;
+        inverse.diagonal().array() += damping;
+#if KFAC_HAS_LAPACK
+        const int info = detail::cholesky_inverse_lower(static_cast<int>(inverse.rows()),
+                                                        inverse.data(),
+                                                        static_cast<int>(inverse.rows()));
+        if (info == 0) {
+            inverse.template triangularView<Eigen::StrictlyUpper>() = inverse.transpose();
+            return all_finite(inverse);
+        }
+        inverse = M;
+        inverse.diagonal().array() += damping;
+#else
+        Eigen::LLT<matrix> llt(inverse);
+        if (llt.info() == Eigen::Success) {
+            inverse = llt.solve(matrix::Identity(M.rows(), M.cols()));
+            return all_finite(inverse);
+        }
+#endif
+        Eigen::PartialPivLU<matrix> lu(inverse);
+        inverse = lu.inverse();
+        return all_finite(inverse);
+    }
+
+    static void multiply(const matrix& A, bool trans_a, const matrix& B, bool trans_b, matrix& C) {
+        const index m = trans_a ? A.cols() : A.rows();
+        const index k = trans_a ? A.rows() : A.cols();
+        const index n = trans_b ? B.rows() : B.cols();
+        C.resize(m, n);
+#if KFAC_HAS_LAPACK
+        detail::gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                     static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), Scalar(1),
+                     A.data(), static_cast<int>(A.rows()), B.data(), static_cast<int>(B.rows()),
+                     Scalar(0), C.data(), static_cast<int>(C.rows()));
+#else
+        (void)k;
+        if (trans_a && trans_b) C.noalias() = A.transpose() * B.transpose();
+        else if (trans_a) C.noalias() = A.transpose() * B;
+        else if (trans_b) C.noalias() = A * B.transpose();
+        else C.noalias() = A * B;
+#endif
+    }
+
+    static bool all_finite(const matrix& M) { return M.allFinite(); }
+    /// Finiteness of the lower triangle only (the part a statistic sum defines).
+    static bool lower_all_finite(const matrix& M) {
+        for (index j = 0; j < M.cols(); ++j)
+            if (!M.col(j).tail(M.rows() - j).allFinite()) return false;
+        return true;
+    }
+
+    static void load_gradient(matrix& gamma, tensor_view<const Scalar> w, tensor_view<const Scalar> b) {
+        const index rows = w.extent(0);
+        const index cols = w.size() / rows;
+        gamma.resize(rows, cols + (b.empty() ? 0 : 1));
+        gamma.leftCols(cols) = row_major_map(w.data, rows, cols, Eigen::OuterStride<>(cols));
+        if (!b.empty()) gamma.col(cols) = Eigen::Map<const vector>(b.data, rows);
+    }
+
+    static void store_gradient(const matrix& P, Scalar scale, tensor_view<Scalar> w, tensor_view<Scalar> b) {
+        const index rows = w.extent(0);
+        const index cols = w.size() / rows;
+        using row_major = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+        Eigen::Map<row_major>(w.data, rows, cols) = scale * P.leftCols(cols);
+        if (!b.empty()) Eigen::Map<vector>(b.data, rows) = scale * P.col(cols);
+    }
+
+    static double frobenius_dot(const matrix& X, const matrix& Y) {
+        double s = 0.0;
+        const Scalar* x = X.data();
+        const Scalar* y = Y.data();
+        for (index i = 0, n = X.size(); i < n; ++i) s += static_cast<double>(x[i]) * static_cast<double>(y[i]);
+        return s;
+    }
+
+private:
+    template <class Block>
+    static void scale_lower(Block& C, Scalar beta) {
+        if (beta == Scalar(0)) C.setZero();
+        else if (beta != Scalar(1)) C.template triangularView<Eigen::Lower>() *= beta;
+    }
+};
+
+}  // namespace kfac::backend

@@ -1,0 +1,54 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file inverse.hpp
+/// Compute method: damped inverses of the factors (golden/README.md §6.2, §6.3).
+/// The ComputeMethod policy contract is documented in kfac/compute/eigendecomposition.hpp.
+
+#include <utility>
+
+#include "kfac/detail/compute_impl.hpp"
+#include "kfac/options.hpp"
+
+namespace kfac {
+namespace compute {
+
+/// Inverse method: P = (G + γI)⁻¹ Γ (A + γI)⁻¹, the full γ added to each factor.
+struct inverse {};
+
+}  // namespace compute
+
+namespace detail {
+
+template <class Backend>
+struct compute_impl<compute::inverse, Backend> {
+    using matrix = typename Backend::matrix;
+    using scalar = typename Backend::scalar_type;
+
+    struct factor_data {
+        matrix inverse;
+    };
+    struct layer_data {
+        factor_data a, g;
+    };
+    struct workspace {
+        matrix t1;
+    };
+
+    static bool compute_factor(const matrix& F, double damping, factor_data& out) {
+        matrix next;
+        if (!Backend::damped_inverse(F, static_cast<scalar>(damping), next)) return false;
+        out.inverse = std::move(next);
+        return true;
+    }
+
+    static void finalize_layer(layer_data&, double, const options&) {}
+
+    static void precondition(const layer_data& l, const matrix& gamma, double, const options&,
+                             workspace& w, matrix& P) {
+        Backend::multiply(l.g.inverse, false, gamma, false, w.t1);  // G⁻ Γ
+        Backend::multiply(w.t1, false, l.a.inverse, false, P);      // (G⁻ Γ) A⁻
+    }
+};
+
+}  // namespace detail
+}  // namespace kfac

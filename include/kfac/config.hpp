@@ -1,0 +1,43 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file config.hpp
+/// Feature macros (each overridable with -D before the first include), the library's
+/// exception type and its version.
+
+#include <stdexcept>
+#include <string>
+
+/// 1 when LAPACKE and CBLAS (OpenBLAS) may be called; CMake's kfac::kfac target sets it when
+/// KFAC_ENABLE_LAPACK is on and the libraries were found. With 0 the core needs only Eigen.
+#ifndef KFAC_HAS_LAPACK
+#define KFAC_HAS_LAPACK 0
+#endif
+
+/// Largest factor dimension for which Eigen's own eigensolver is used even when LAPACK is
+/// available: below it, LAPACK's call overhead outweighs divide and conquer
+/// (reference/perf-anchors.md §9: parity near n = 128).
+#ifndef KFAC_EIGEN_SOLVER_MAX_DIM
+#define KFAC_EIGEN_SOLVER_MAX_DIM 128
+#endif
+
+/// Rows of the im2col buffer built at a time for a conv layer's A statistic. A chunk of
+/// this many rows stays in L2 for typical widths (C_in·k_h·k_w ≤ 576), so the rank-k update
+/// reads it from cache instead of streaming a batch-sized patch matrix through memory.
+#ifndef KFAC_IM2COL_CHUNK_ROWS
+#define KFAC_IM2COL_CHUNK_ROWS 512
+#endif
+
+#define KFAC_VERSION_MAJOR 0
+#define KFAC_VERSION_MINOR 1
+#define KFAC_VERSION_PATCH 0
+
+namespace kfac {
+
+/// The one exception type the library throws. Messages name the layer, the shapes involved
+/// and what to change.
+class error : public std::runtime_error {
+public:
+    explicit error(const std::string& what) : std::runtime_error("kfac: " + what) {}
+};
+
+}  // namespace kfac

@@ -1,0 +1,117 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file layer_checks.hpp
+/// Validation of layer descriptions and of the views adapters hand over, with messages that
+/// name the layer, the shapes and the fix.
+
+#include <cstdint>
+#include <string>
+
+#include "kfac/config.hpp"
+#include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/tensor_view.hpp"
+
+namespace kfac::detail {
+
+inline std::string describe_layer(const std::string& name, const layer_description& d) {
+    std::string s = "layer '" + name + "' (" + kind_name(d.kind) + " " + std::to_string(d.in) +
+                    "->" + std::to_string(d.out);
+    if (d.kind == layer_kind::conv2d)
+        s += ", kernel " + std::to_string(d.conv.kernel[0]) + "x" + std::to_string(d.conv.kernel[1]);
+    return s + (d.bias ? ", bias)" : ", no bias)");
+}
+
+inline void check_description(const std::string& name, const layer_description& d) {
+    const std::string who = describe_layer(name, d);
+    if (d.in <= 0 || d.out <= 0)
+        throw error(who + ": input and output sizes must be positive");
+    if (d.kind != layer_kind::conv2d) return;
+    const auto& c = d.conv;
+    for (int i = 0; i < 2; ++i) {
+        if (c.kernel[i] <= 0 || c.stride[i] <= 0 || c.dilation[i] <= 0 || c.padding[i] < 0)
+            throw error(who + ": kernel, stride and dilation must be positive and padding "
+                              "non-negative");
+    }
+    if (c.groups != 1)
+        throw error(who + ": groups = " + std::to_string(c.groups) +
+                    " is not supported (K-FAC's factors here assume a dense kernel); exclude "
+                    "the layer with options.skip_layers");
+}
+
+template <class T>
+std::int64_t leading_rows(const tensor_view<T>& v) {
+    return v.rank == 0 ? 0 : v.size() / v.extent(v.rank - 1);
+}
+
+/// Views read for the factor statistics (activations and output gradients).
+template <class T>
+void check_statistics_views(const std::string& name, const layer_description& d,
+                            const tensor_view<const T>& a, const tensor_view<const T>& g,
+                            std::int64_t step) {
+    const std::string who = describe_layer(name, d);
+    if (a.empty())
+        throw error(who + ": no activations captured for factor-update step " +
+                    std::to_string(step) + "; the adapter's activations() returned an empty "
+                    "view. Run the forward pass and point the view at this layer's input "
+                    "before accumulate()/step()");
+    if (g.empty())
+        throw error(who + ": no output gradients captured for factor-update step " +
+                    std::to_string(step) + "; run the backward pass and point the adapter's "
+                    "output_gradients() at this layer's output gradient before step()");
+    if (d.kind == layer_kind::linear) {
+        if (a.rank < 1 || a.extent(a.rank - 1) != d.in)
+            throw error(who + ": activations have shape " + a.shape_string() +
+                        "; the last dimension must be in_features = " + std::to_string(d.in));
+        if (g.rank < 1 || g.extent(g.rank - 1) != d.out)
+            throw error(who + ": output gradients have shape " + g.shape_string() +
+                        "; the last dimension must be out_features = " + std::to_string(d.out));
+        if (leading_rows(a) != leading_rows(g) || leading_rows(a) == 0)
+            throw error(who + ": activations " + a.shape_string() + " and output gradients " +
+                        g.shape_string() + " must hold the same, non-zero number of rows");
+        return;
+    }
+    if (a.rank != 4 || a.extent(1) != d.in)
+        throw error(who + ": activations have shape " + a.shape_string() +
+                    "; expected [N, " + std::to_string(d.in) + ", H, W]");
+    const auto& c = d.conv;
+    const std::int64_t ho = conv_output_extent(a.extent(2), c.kernel[0], c.stride[0], c.padding[0], c.dilation[0]);
+    const std::int64_t wo = conv_output_extent(a.extent(3), c.kernel[1], c.stride[1], c.padding[1], c.dilation[1]);
+    const std::int64_t ho_ref = conv_output_extent(a.extent(2), c.kernel[0], c.stride[0], c.padding[0], 1);
+    const std::int64_t wo_ref = conv_output_extent(a.extent(3), c.kernel[1], c.stride[1], c.padding[1], 1);
+    if (a.extent(0) <= 0 || ho <= 0 || wo <= 0 || ho_ref <= 0 || wo_ref <= 0)
+        throw error(who + ": activations " + a.shape_string() +
+                    " are empty or smaller than the (padded) kernel");
+    if (g.rank != 4 || g.extent(0) != a.extent(0) || g.extent(1) != d.out || g.extent(2) != ho ||
+        g.extent(3) != wo)
+        throw error(who + ": output gradients have shape " + g.shape_string() + "; for input " +
+                    a.shape_string() + " the convolution's output is [" +
+                    std::to_string(a.extent(0)) + ", " + std::to_string(d.out) + ", " +
+                    std::to_string(ho) + ", " + std::to_string(wo) + "]");
+}
+
+/// Views of the gradients that step() reads and overwrites.
+template <class T>
+void check_gradient_views(const std::string& name, const layer_description& d,
+                          const tensor_view<T>& w, const tensor_view<T>& b) {
+    const std::string who = describe_layer(name, d);
+    const bool linear = d.kind == layer_kind::linear;
+    const std::string expected =
+        linear ? "[" + std::to_string(d.out) + ", " + std::to_string(d.in) + "]"
+               : "[" + std::to_string(d.out) + ", " + std::to_string(d.in) + ", " +
+                     std::to_string(d.conv.kernel[0]) + ", " + std::to_string(d.conv.kernel[1]) + "]";
+    bool ok = !w.empty() && w.rank == (linear ? 2 : 4) && w.extent(0) == d.out && w.extent(1) == d.in;
+    if (ok && !linear) ok = w.extent(2) == d.conv.kernel[0] && w.extent(3) == d.conv.kernel[1];
+    if (!ok)
+        throw error(who + ": weight gradient has shape " + (w.empty() ? std::string("(empty)") : w.shape_string()) +
+                    "; expected " + expected + ". Point the adapter's weight_gradient() at the "
+                    "layer's weight gradient");
+    if (d.bias && (b.empty() || b.size() != d.out))
+        throw error(who + ": bias gradient has shape " + (b.empty() ? std::string("(empty)") : b.shape_string()) +
+                    "; expected [" + std::to_string(d.out) + "]");
+    if (!d.bias && !b.empty())
+        throw error(who + ": the layer is described without bias but a bias gradient of shape " +
+                    b.shape_string() + " was given; set description.bias = true or return an "
+                    "empty view");
+}
+
+}  // namespace kfac::detail

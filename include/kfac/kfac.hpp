@@ -1,0 +1,22 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file kfac.hpp
+/// Umbrella header: the core, the CPU backend, the single-process comm policy, both compute
+/// methods, the assignment strategies and the plain view adapter. Never includes MPI or CUDA
+/// (kfac/comm/mpi.hpp, kfac/backend/cuda.cuh) nor xtensor (kfac/layers/xtensor_layer.hpp).
+
+#include "kfac/assignment/greedy.hpp"
+#include "kfac/assignment/strategies.hpp"
+#include "kfac/backend/cpu_eigen.hpp"
+#include "kfac/comm/serial.hpp"
+#include "kfac/compute/eigendecomposition.hpp"
+#include "kfac/compute/inverse.hpp"
+#include "kfac/config.hpp"
+#include "kfac/fwd.hpp"
+#include "kfac/layers/im2col.hpp"
+#include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/layer_traits.hpp"
+#include "kfac/layers/layer_view.hpp"
+#include "kfac/layers/tensor_view.hpp"
+#include "kfac/options.hpp"
+#include "kfac/preconditioner.hpp"

@@ -1,0 +1,118 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file layer_traits.hpp
+/// The customisation point through which any host framework hands layers to the library.
+///
+/// Specialise `kfac::layer_traits<Layer>` for your layer type. A specialisation provides
+/// exactly these members (all static; views are non-owning and C-order contiguous):
+///
+/// ```
+/// template <> struct kfac::layer_traits<MyLayer> {
+///     using scalar_type = float;                            // float or double
+///     static kfac::layer_description describe(const MyLayer&);   // kind and shapes
+///     // Input of the last forward pass: Linear [..., in] (leading dims are flattened into
+///     // rows), Conv2d [N, C_in, H, W]. An empty view means "nothing captured".
+///     static kfac::tensor_view<const scalar_type> activations(const MyLayer&);
+///     // Gradient of the loss w.r.t. the layer output: Linear [..., out],
+///     // Conv2d [N, C_out, H_out, W_out]; as the framework delivers it (not rescaled).
+///     static kfac::tensor_view<const scalar_type> output_gradients(const MyLayer&);
+///     // Weight gradient [out, in] or [C_out, C_in, k_h, k_w]; overwritten by step().
+///     static kfac::tensor_view<scalar_type> weight_gradient(MyLayer&);
+///     // Bias gradient [out]; an empty view when the layer has no bias.
+///     static kfac::tensor_view<scalar_type> bias_gradient(MyLayer&);
+/// };
+/// ```
+///
+/// activations() and output_gradients() are read only on factor-update steps (by
+/// preconditioner::accumulate() and step()); the gradients on every step().
+/// The views must stay valid until the call that reads them returns.
+
+#include <concepts>
+
+#include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/tensor_view.hpp"
+
+namespace kfac {
+
+/// Primary template: defined and empty, so `layer_adapter<T>` can be asked of any type.
+template <class Layer>
+struct layer_traits {};
+
+namespace detail {
+
+template <class L>
+concept traits_have_scalar_type = requires { typename layer_traits<L>::scalar_type; };
+
+template <class L>
+concept traits_have_describe = requires(const L& l) {
+    { layer_traits<L>::describe(l) } -> std::convertible_to<layer_description>;
+};
+
+template <class L>
+concept traits_have_activations = traits_have_scalar_type<L> && requires(const L& l) {
+    {
+        layer_traits<L>::activations(l)
+    } -> std::convertible_to<tensor_view<const typename layer_traits<L>::scalar_type>>;
+};
+
+template <class L>
+concept traits_have_output_gradients = traits_have_scalar_type<L> && requires(const L& l) {
+    {
+        layer_traits<L>::output_gradients(l)
+    } -> std::convertible_to<tensor_view<const typename layer_traits<L>::scalar_type>>;
+};
+
+template <class L>
+concept traits_have_weight_gradient = traits_have_scalar_type<L> && requires(L& l) {
+    {
+        layer_traits<L>::weight_gradient(l)
+    } -> std::convertible_to<tensor_view<typename layer_traits<L>::scalar_type>>;
+};
+
+template <class L>
+concept traits_have_bias_gradient = traits_have_scalar_type<L> && requires(L& l) {
+    {
+        layer_traits<L>::bias_gradient(l)
+    } -> std::convertible_to<tensor_view<typename layer_traits<L>::scalar_type>>;
+};
+
+}  // namespace detail
+
+/// True when `layer_traits<Layer>` provides every member listed above.
+template <class Layer>
+concept layer_adapter =
+    detail::traits_have_scalar_type<Layer> && detail::traits_have_describe<Layer> &&
+    detail::traits_have_activations<Layer> && detail::traits_have_output_gradients<Layer> &&
+    detail::traits_have_weight_gradient<Layer> && detail::traits_have_bias_gradient<Layer>;
+
+template <class Layer>
+inline constexpr bool is_layer_adapter_v = layer_adapter<Layer>;
+
+namespace detail {
+
+/// Turns a failed `layer_adapter` check into one message per missing member.
+template <class Layer>
+consteval bool check_layer_adapter() {
+    static_assert(traits_have_scalar_type<Layer>,
+                  "kfac::layer_traits<Layer> has no `scalar_type`: this layer type has no "
+                  "adapter. Specialise kfac::layer_traits for it (see kfac/layers/layer_traits.hpp) "
+                  "or wrap it in kfac::layer_view.");
+    static_assert(traits_have_describe<Layer>,
+                  "kfac::layer_traits<Layer> lacks `static layer_description describe(const Layer&)`.");
+    static_assert(traits_have_activations<Layer>,
+                  "kfac::layer_traits<Layer> lacks `static tensor_view<const scalar_type> "
+                  "activations(const Layer&)`.");
+    static_assert(traits_have_output_gradients<Layer>,
+                  "kfac::layer_traits<Layer> lacks `static tensor_view<const scalar_type> "
+                  "output_gradients(const Layer&)`.");
+    static_assert(traits_have_weight_gradient<Layer>,
+                  "kfac::layer_traits<Layer> lacks `static tensor_view<scalar_type> "
+                  "weight_gradient(Layer&)`.");
+    static_assert(traits_have_bias_gradient<Layer>,
+                  "kfac::layer_traits<Layer> lacks `static tensor_view<scalar_type> "
+                  "bias_gradient(Layer&)` (return an empty view when there is no bias).");
+    return true;
+}
+
+}  // namespace detail
+}  // namespace kfac

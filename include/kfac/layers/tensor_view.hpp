@@ -1,0 +1,74 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file tensor_view.hpp
+/// A non-owning view of a dense, C-order (row-major, contiguous) array in host memory.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "kfac/config.hpp"
+
+namespace kfac {
+
+/// Most dimensions a view may have (a Linear input may carry extra leading dimensions).
+inline constexpr int max_view_rank = 8;
+
+/// Pointer plus extents; the elements are contiguous in C order. `T` may be const.
+/// A default-constructed view is empty (data == nullptr), which means "not available".
+template <class T>
+struct tensor_view {
+    T* data = nullptr;
+    int rank = 0;
+    std::array<std::int64_t, max_view_rank> extents{};
+
+    tensor_view() = default;
+    tensor_view(T* ptr, std::initializer_list<std::int64_t> shape) : data(ptr) {
+        if (shape.size() > static_cast<std::size_t>(max_view_rank))
+            throw error("tensor_view: rank " + std::to_string(shape.size()) + " exceeds " +
+                        std::to_string(max_view_rank));
+        for (std::int64_t e : shape) extents[static_cast<std::size_t>(rank++)] = e;
+    }
+    template <class Extents>
+    static tensor_view from_extents(T* ptr, const Extents& shape) {
+        tensor_view v;
+        v.data = ptr;
+        for (auto e : shape) {
+            if (v.rank == max_view_rank)
+                throw error("tensor_view: rank exceeds " + std::to_string(max_view_rank));
+            v.extents[static_cast<std::size_t>(v.rank++)] = static_cast<std::int64_t>(e);
+        }
+        return v;
+    }
+
+    [[nodiscard]] bool empty() const noexcept { return data == nullptr; }
+    [[nodiscard]] std::int64_t extent(int i) const { return extents[static_cast<std::size_t>(i)]; }
+    [[nodiscard]] std::int64_t size() const noexcept {
+        std::int64_t n = 1;
+        for (int i = 0; i < rank; ++i) n *= extents[static_cast<std::size_t>(i)];
+        return n;
+    }
+    /// "[8, 6]"-style text for error messages.
+    [[nodiscard]] std::string shape_string() const {
+        std::string s = "[";
+        for (int i = 0; i < rank; ++i) {
+            if (i) s += ", ";
+            s += std::to_string(extents[static_cast<std::size_t>(i)]);
+        }
+        return s + "]";
+    }
+};
+
+/// The same view, read-only.
+template <class T>
+[[nodiscard]] tensor_view<const T> as_const(const tensor_view<T>& v) noexcept {
+    tensor_view<const T> c;
+    c.data = v.data;
+    c.rank = v.rank;
+    c.extents = v.extents;
+    return c;
+}
+
+}  // namespace kfac

@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file options.hpp
+/// Run-time hyper-parameters of the preconditioner. Each numeric one is a value or a
+/// schedule: a function of the step number k (the count of completed step() calls),
+/// evaluated when it is read, exactly as kfac-pytorch evaluates its callables.
+
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "kfac/config.hpp"
+
+namespace kfac {
+
+/// A hyper-parameter given as a constant or as a function of the step number.
+/// @tparam T the value type (double, std::int64_t, or std::optional<double> for kl_clip).
+template <class T>
+class hyperparameter {
+public:
+    using schedule_type = std::function<T(std::int64_t)>;
+
+    hyperparameter() = default;
+
+    template <class U>
+        requires std::convertible_to<U, T> && (!std::is_invocable_v<U, std::int64_t>)
+    hyperparameter(U value) : value_(T(std::move(value))) {}  // NOLINT: implicit by design
+
+    template <class F>
+        requires std::is_invocable_v<F, std::int64_t> &&
+                 std::convertible_to<std::invoke_result_t<F, std::int64_t>, T>
+    hyperparameter(F schedule)  // NOLINT: implicit by design
+        : value_(schedule_type([f = std::move(schedule)](std::int64_t k) { return T(f(k)); })) {}
+
+    /// The value at step k.
+    [[nodiscard]] T operator()(std::int64_t k) const {
+        if (const T* v = std::get_if<T>(&value_)) return *v;
+        return std::get<schedule_type>(value_)(k);
+    }
+
+    [[nodiscard]] bool is_schedule() const noexcept { return value_.index() == 1; }
+
+private:
+    std::variant<T, schedule_type> value_{T{}};
+};
+
+/// How a dilated convolution's input patches are extracted for the A factor.
+enum class conv_patch_mode {
+    /// kfac-pytorch's behaviour: dilation is ignored, patches are contiguous k_h × k_w
+    /// windows (golden/README.md §4.2). The default, so results match the reference.
+    reference,
+    /// The patches the convolution really multiplies with its kernel (dilation honoured),
+    /// so A and G are built over the same spatial positions. Correct; differs from the
+    /// reference only for layers with dilation ≠ 1.
+    dilated,
+};
+
+/// What the preconditioner reports when it meets NaN or ±Inf (see preconditioner::health).
+enum class non_finite_source { factor_statistics, decomposition, gradient };
+
+/// Run-time options. Defaults are kfac-pytorch's (KFACPreconditioner) defaults.
+struct options {
+    /// Tikhonov damping γ (> 0). Eigen method: added to the product of eigenvalues;
+    /// inverse method: added to each factor.
+    hyperparameter<double> damping{0.001};
+    /// Running-average decay ξ in [0, 1): F ← ξ F + (1 − ξ) F̂. Factors start at I.
+    hyperparameter<double> factor_decay{0.95};
+    /// KL clip κ (> 0), or std::nullopt for no clipping.
+    hyperparameter<std::optional<double>> kl_clip{std::optional<double>(0.001)};
+    /// Learning rate η (≥ 0); used only by kl_clip (ν = min(1, sqrt(κ / (η² Σ P·Γ)))).
+    hyperparameter<double> lr{0.1};
+    /// Factors are updated on steps k with k % factor_update_steps == 0 (> 0).
+    hyperparameter<std::int64_t> factor_update_steps{std::int64_t{1}};
+    /// Second-order data is recomputed on steps k with k % inv_update_steps == 0 (> 0).
+    /// Need not be a multiple of factor_update_steps.
+    hyperparameter<std::int64_t> inv_update_steps{std::int64_t{1}};
+    /// Forward/backward passes per step(): accumulate() after each of the first
+    /// accumulation_steps − 1 passes, then step(). The batch statistic is their mean.
+    std::int64_t accumulation_steps = 1;
+    /// Eigen method: precompute D = 1/(λ_G λ_Aᵀ + γ) on inverse-update steps (with that
+    /// step's γ) instead of dividing at every step.
+    bool compute_eigenvalue_outer_product = true;
+    /// ECMAScript regular expressions; a layer is not registered when one of them is found
+    /// (std::regex_search, case-sensitive) in its name or its kind ("linear", "Linear",
+    /// "conv2d", "Conv2d").
+    std::vector<std::string> skip_layers{};
+    /// Patch extraction for dilated convolutions.
+    conv_patch_mode conv_patches = conv_patch_mode::reference;
+};
+
+namespace detail {
+
+inline void require(bool ok, const std::string& message) {
+    if (!ok) throw error(message);
+}
+
+}  // namespace detail
+
+/// Checks the constant options (schedules are checked at each step when read).
+/// @throws kfac::error naming the option, the value and the valid range.
+inline void validate(const options& o) {
+    using detail::require;
+    constexpr std::int64_t k0 = 0;
+    if (!o.damping.is_schedule()) {
+        const double d = o.damping(k0);
+        require(d > 0.0, "options.damping = " + std::to_string(d) +
+                             " is invalid: damping must be > 0 (try 0.001)");
+    }
+    if (!o.factor_decay.is_schedule()) {
+        const double d = o.factor_decay(k0);
+        require(d >= 0.0 && d < 1.0, "options.factor_decay = " + std::to_string(d) +
+                                         " is invalid: it must lie in [0, 1) (try 0.95)");
+    }
+    if (!o.kl_clip.is_schedule()) {
+        const auto c = o.kl_clip(k0);
+        require(!c || *c > 0.0, "options.kl_clip = " + std::to_string(c.value_or(0.0)) +
+                                    " is invalid: it must be > 0, or std::nullopt for none");
+    }
+    if (!o.lr.is_schedule()) {
+        const double lr = o.lr(k0);
+        require(lr >= 0.0, "options.lr = " + std::to_string(lr) + " is invalid: it must be >= 0");
+    }
+    if (!o.factor_update_steps.is_schedule()) {
+        const auto f = o.factor_update_steps(k0);
+        require(f > 0, "options.factor_update_steps = " + std::to_string(f) +
+                           " is invalid: it must be a positive number of steps");
+    }
+    if (!o.inv_update_steps.is_schedule()) {
+        const auto i = o.inv_update_steps(k0);
+        require(i > 0, "options.inv_update_steps = " + std::to_string(i) +
+                           " is invalid: it must be a positive number of steps");
+    }
+    require(o.accumulation_steps > 0, "options.accumulation_steps = " +
+                                          std::to_string(o.accumulation_steps) +
+                                          " is invalid: it must be >= 1");
+}
+
+}  // namespace kfac

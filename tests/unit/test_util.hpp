@@ -1,0 +1,109 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Helpers shared by the unit tests: seeded random data, naive reference computations and
+// the error measure of golden/README.md §7.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include <kfac/kfac.hpp>
+
+namespace kfac_test {
+
+template <class T>
+std::vector<T> random_vector(std::size_t n, std::uint32_t seed, double scale = 1.0) {
+    std::mt19937 gen(seed);
+    std::normal_distribution<double> dist(0.0, scale);
+    std::vector<T> v(n);
+    for (auto& x : v) x = static_cast<T>(dist(gen));
+    return v;
+}
+
+/// max|x − r| / max|r|.
+template <class X, class R>
+double rel_err(const X& x, const R& r) {
+    double num = 0.0, den = 0.0;
+    for (Eigen::Index i = 0; i < static_cast<Eigen::Index>(r.size()); ++i) {
+        num = std::max(num, std::abs(static_cast<double>(x(i)) - static_cast<double>(r(i))));
+        den = std::max(den, std::abs(static_cast<double>(r(i))));
+    }
+    return den > 0 ? num / den : num;
+}
+
+/// Unit roundoff of T, the scale of every tolerance in the tests.
+template <class T>
+constexpr double eps() {
+    return static_cast<double>(std::numeric_limits<T>::epsilon());
+}
+
+template <class T>
+using mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+template <class T>
+using row_mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Owns the buffers of one layer and exposes them as a kfac::layer_view.
+template <class T>
+struct owned_layer {
+    kfac::layer_view<T> view;
+    std::vector<T> input, grad_output, grad_weight, grad_bias;
+    std::vector<std::int64_t> input_shape, output_shape;
+
+    void bind() {
+        view.input = kfac::tensor_view<const T>::from_extents(input.data(), input_shape);
+        view.grad_output = kfac::tensor_view<const T>::from_extents(grad_output.data(), output_shape);
+        const auto& d = view.description;
+        if (d.kind == kfac::layer_kind::linear)
+            view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.in});
+        else
+            view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});
+        view.grad_bias = d.bias ? kfac::tensor_view<T>(grad_bias.data(), {d.out}) : kfac::tensor_view<T>{};
+    }
+};
+
+template <class T>
+owned_layer<T> random_linear(std::int64_t rows, std::int64_t in, std::int64_t out, bool bias, std::uint32_t seed) {
+    owned_layer<T> l;
+    l.view.description = kfac::linear_description(in, out, bias);
+    l.input = random_vector<T>(static_cast<std::size_t>(rows * in), seed);
+    l.grad_output = random_vector<T>(static_cast<std::size_t>(rows * out), seed + 1, 1.0 / static_cast<double>(rows));
+    l.grad_weight = random_vector<T>(static_cast<std::size_t>(out * in), seed + 2, 0.1);
+    l.grad_bias = random_vector<T>(static_cast<std::size_t>(out), seed + 3, 0.1);
+    l.input_shape = {rows, in};
+    l.output_shape = {rows, out};
+    l.bind();
+    return l;
+}
+
+/// Naive direct convolution (zero padding, stride, dilation), NCHW, no bias.
+template <class T>
+std::vector<T> naive_conv2d(const std::vector<T>& x, std::int64_t n, std::int64_t c, std::int64_t h, std::int64_t w,
+                            const std::vector<T>& weight, std::int64_t c_out, const kfac::conv2d_geometry& g,
+                            std::int64_t& ho, std::int64_t& wo) {
+    ho = kfac::conv_output_extent(h, g.kernel[0], g.stride[0], g.padding[0], g.dilation[0]);
+    wo = kfac::conv_output_extent(w, g.kernel[1], g.stride[1], g.padding[1], g.dilation[1]);
+    std::vector<T> y(static_cast<std::size_t>(n * c_out * ho * wo), T(0));
+    for (std::int64_t s = 0; s < n; ++s)
+        for (std::int64_t o = 0; o < c_out; ++o)
+            for (std::int64_t i = 0; i < ho; ++i)
+                for (std::int64_t j = 0; j < wo; ++j) {
+                    double acc = 0;
+                    for (std::int64_t ci = 0; ci < c; ++ci)
+                        for (std::int64_t u = 0; u < g.kernel[0]; ++u)
+                            for (std::int64_t v = 0; v < g.kernel[1]; ++v) {
+                                const std::int64_t ih = i * g.stride[0] + u * g.dilation[0] - g.padding[0];
+                                const std::int64_t iw = j * g.stride[1] + v * g.dilation[1] - g.padding[1];
+                                if (ih < 0 || ih >= h || iw < 0 || iw >= w) continue;
+                                acc += static_cast<double>(x[static_cast<std::size_t>(((s * c + ci) * h + ih) * w + iw)]) *
+                                       static_cast<double>(weight[static_cast<std::size_t>(((o * c + ci) * g.kernel[0] + u) * g.kernel[1] + v)]);
+                            }
+                    y[static_cast<std::size_t>(((s * c_out + o) * ho + i) * wo + j)] = static_cast<T>(acc);
+                }
+    return y;
+}
+
+}  // namespace kfac_test
