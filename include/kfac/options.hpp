@@ -61,6 +61,19 @@ enum class conv_patch_mode {
     dilated,
 };
 
+/// How second-order work and state are distributed when the CommPolicy has several ranks.
+enum class distribution {
+    /// KAISA (Pauloski et al., SC'20/'21): factors are averaged over all ranks; each layer's
+    /// second-order data is computed on its assigned rank(s) and shared within a column of
+    /// the grid set by grad_worker_fraction; preconditioned gradients travel along rows.
+    kaisa,
+    /// DP-KFAC (Zhang et al., IEEE TCC 2022): each layer has one owner that builds the
+    /// layer's factors from its *own* local batch only (no factor communication), computes
+    /// the second-order data, preconditions the averaged gradient and broadcasts the result.
+    /// The preconditioner therefore depends on which data shard the owner saw.
+    dp_kfac,
+};
+
 /// What the preconditioner reports when it meets NaN or ±Inf (see preconditioner::health).
 enum class non_finite_source { factor_statistics, decomposition, gradient };
 
@@ -92,6 +105,19 @@ struct options {
     std::vector<std::string> skip_layers{};
     /// Patch extraction for dilated convolutions.
     conv_patch_mode conv_patches = conv_patch_mode::reference;
+
+    // Distribution; without effect in a single process.
+    distribution strategy = distribution::kaisa;
+    /// KAISA's gradient-worker fraction f in [0, 1]: kfac::comm_opt (1), kfac::hybrid_opt
+    /// (0.5), kfac::mem_opt (0, meaning 1/W), or any f with W·f a divisor of W.
+    double grad_worker_fraction = 1.0;
+    /// Compute a layer's A and G second-order data on the same rank. Required by MEM_OPT and
+    /// by compute_eigenvalue_outer_product with the eigendecomposition method.
+    bool colocate_factors = true;
+    /// Cap of one factor-allreduce bucket in MiB (2²⁰ bytes); 0 sends each factor alone.
+    double allreduce_bucket_cap_mb = 25.0;
+    /// Send only the lower triangle, n(n+1)/2 values, of each symmetric factor.
+    bool symmetry_aware = false;
 };
 
 namespace detail {
@@ -139,6 +165,12 @@ inline void validate(const options& o) {
     require(o.accumulation_steps > 0, "options.accumulation_steps = " +
                                           std::to_string(o.accumulation_steps) +
                                           " is invalid: it must be >= 1");
+    require(o.allreduce_bucket_cap_mb >= 0.0, "options.allreduce_bucket_cap_mb = " +
+                                                  std::to_string(o.allreduce_bucket_cap_mb) +
+                                                  " is invalid: it must be >= 0 (0: no bucketing)");
+    require(o.grad_worker_fraction >= 0.0 && o.grad_worker_fraction <= 1.0,
+            "options.grad_worker_fraction = " + std::to_string(o.grad_worker_fraction) +
+                " is invalid: it must lie in [0, 1] (kfac::comm_opt, kfac::hybrid_opt, kfac::mem_opt)");
 }
 
 }  // namespace kfac

@@ -15,9 +15,12 @@
 #include <utility>
 #include <vector>
 
+#include "kfac/assignment/kaisa_grid.hpp"
 #include "kfac/assignment/strategies.hpp"
 #include "kfac/config.hpp"
+#include "kfac/comm/serial.hpp"
 #include "kfac/detail/compute_impl.hpp"
+#include "kfac/detail/digest.hpp"
 #include "kfac/detail/layer_checks.hpp"
 #include "kfac/fwd.hpp"
 #include "kfac/layers/layer_traits.hpp"
@@ -125,7 +128,7 @@ public:
     /// takes the last pass itself. Does nothing on steps that do not update factors.
     /// @throws kfac::error on a view that disagrees with its layer, or when called m times.
     void accumulate() {
-        started_ = true;
+        setup();
         const std::int64_t k = steps_;
         if (!is_factor_update_step(k)) return;
         if (passes_ + 1 >= options_.accumulation_steps)
@@ -134,17 +137,27 @@ public:
                         std::to_string(options_.accumulation_steps) +
                         "; call it after each of the first accumulation_steps - 1 passes only, "
                         "step() takes the last pass");
+        agree_on([&] { check_statistics(); });
         capture_pass();
     }
 
     /// One preconditioning step: factor update (if due), second-order update (if due),
     /// preconditioning of every layer, kl_clip scaling, and the gradients written back.
+    /// With several ranks every rank must call it; an error on any rank (a view that
+    /// disagrees with its layer, say) is raised on every rank, so none waits in a collective.
     /// @throws kfac::error on a view that disagrees with its layer, on missing activations
     ///         on a factor-update step, or on a scheduled option out of range.
     void step() {
-        started_ = true;
+        setup();
         const std::int64_t k = steps_;
-        if (is_factor_update_step(k)) {
+        const bool factor_update = is_factor_update_step(k);
+        const double damping = read_damping(k);
+        const bool inverse_update = k % read_interval(options_.inv_update_steps, k, "inv_update_steps") == 0;
+        agree_on([&] {
+            if (factor_update) check_statistics();
+            check_gradients();
+        });
+        if (factor_update) {
             capture_pass();
             if (passes_ != options_.accumulation_steps)
                 throw error("step() after " + std::to_string(passes_) + " pass(es) with "
@@ -153,9 +166,7 @@ public:
                             "forward/backward passes");
             update_factors(k);
         }
-        const double damping = read_damping(k);
-        if (k % read_interval(options_.inv_update_steps, k, "inv_update_steps") == 0)
-            update_second_order(k, damping);
+        if (inverse_update) update_second_order(k, damping);
         precondition_all(k, damping);
         ++steps_;
     }
@@ -180,9 +191,34 @@ public:
         on_non_finite_ = std::move(callback);
     }
     [[nodiscard]] const options& get_options() const noexcept { return options_; }
+    /// Ranks that compute a layer's A and G second-order data (after the first step).
+    [[nodiscard]] assignment::factor_workers workers(const std::string& name) const {
+        const auto& l = find(name);
+        return {l.plan.a_worker, l.plan.g_worker};
+    }
+    /// Name of the distribution in force: comm_opt, hybrid_opt, mem_opt or dp_kfac.
+    [[nodiscard]] std::string strategy_name() const {
+        if (options_.strategy == distribution::dp_kfac) return "dp_kfac";
+        return assignment::kaisa_grid(comm_.size(), options_.grad_worker_fraction).strategy_name();
+    }
     [[nodiscard]] const CommPolicy& comm() const noexcept { return comm_; }
+    [[nodiscard]] CommPolicy& comm() noexcept { return comm_; }
 
 private:
+    using group = typename CommPolicy::group;
+
+    /// This rank's part in one layer's work.
+    struct layer_plan {
+        int a_worker = 0, g_worker = 0;  // ranks computing the A and G second-order data
+        bool holds_factors = true;       // captures statistics and keeps running factors
+        bool computes_a = true, computes_g = true;
+        bool grad_worker = true;         // holds second-order data and preconditions
+        bool share_second_order = false; // broadcast A/G data within the layer's column
+        int a_root = 0, g_root = 0;      // their ranks within the column group
+        bool share_gradient = false;     // broadcast the preconditioned gradient
+        int grad_root = 0;               // its rank within the gradient group
+    };
+
     struct layer_record {
         std::string name;
         layer_description description;
@@ -200,6 +236,8 @@ private:
         typename method::workspace method_ws{};
         matrix gamma, preconditioned;
         bool usable = true;  // false: this step's gradient is zeroed
+        scalar_type captured_rows = 0;  // rows folded into this step's statistics
+        layer_plan plan{};
     };
 
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const {
@@ -239,6 +277,118 @@ private:
         return d;
     }
 
+    /// Runs local checks and raises the first failure on every rank.
+    template <class Checks>
+    void agree_on(Checks&& checks) {
+        std::optional<std::string> failure;
+        try {
+            checks();
+        } catch (const error& e) {
+            failure = strip_prefix(e.what());
+        }
+        if (auto agreed = comm_.agree(failure)) throw error(*agreed);
+    }
+
+    static std::string strip_prefix(const std::string& what) {
+        return what.rfind("kfac: ", 0) == 0 ? what.substr(6) : what;
+    }
+
+    void check_statistics() const {
+        for (const auto& l : layers_)
+            if (l.plan.holds_factors)
+                detail::check_statistics_views(l.name, l.description, l.activations(l.layer),
+                                               l.output_gradients(l.layer), steps_);
+    }
+
+    void check_gradients() const {
+        for (const auto& l : layers_)
+            detail::check_gradient_views(l.name, l.description, l.weight_gradient(l.layer),
+                                         l.bias_gradient(l.layer));
+    }
+
+    [[nodiscard]] std::uint64_t configuration_digest() const {
+        detail::digest d;
+        d.add(layers_.size()).add(sizeof(scalar_type)).add(options_.accumulation_steps);
+        d.add(options_.compute_eigenvalue_outer_product).add(options_.conv_patches).add(options_.strategy);
+        d.add(options_.grad_worker_fraction).add(options_.colocate_factors);
+        d.add(options_.allreduce_bucket_cap_mb).add(options_.symmetry_aware);
+        for (const auto* h : {&options_.damping, &options_.factor_decay, &options_.lr})
+            d.add(h->is_schedule() ? -1.0 : (*h)(0));
+        for (const auto* h : {&options_.factor_update_steps, &options_.inv_update_steps})
+            d.add(h->is_schedule() ? std::int64_t{-1} : (*h)(0));
+        d.add(options_.kl_clip.is_schedule() ? -2.0 : options_.kl_clip(0).value_or(-1.0));
+        for (const auto& l : layers_) {
+            const auto& x = l.description;
+            d.add(l.name).add(x.kind).add(x.in).add(x.out).add(x.bias).add(x.conv.kernel);
+            d.add(x.conv.stride).add(x.conv.padding).add(x.conv.dilation).add(x.conv.groups);
+        }
+        return d.value();
+    }
+
+    /// Once, at the first accumulate()/step(): checks that all ranks agree, places the
+    /// second-order work and builds the communication groups. Collective.
+    void setup() {
+        if (started_) return;
+        const auto digests = comm_.allgather(configuration_digest());
+        for (std::size_t r = 1; r < digests.size(); ++r)
+            if (digests[r] != digests[0])
+                throw error("ranks disagree on the registered layers or the options: rank 0 and rank " +
+                            std::to_string(r) + " differ (" + std::to_string(layers_.size()) +
+                            " layer(s) here). Register the same layers, in the same order, with the same "
+                            "shapes and options on every rank");
+        const int world = comm_.size(), me = comm_.rank();
+        std::vector<std::pair<std::int64_t, std::int64_t>> dims;
+        for (const auto& l : layers_) dims.emplace_back(l.description.a_dim(), l.description.g_dim());
+        const bool eigen_product = options_.compute_eigenvalue_outer_product &&
+                                   std::is_same_v<ComputeMethod, compute::eigendecomposition>;
+        if (options_.strategy == distribution::dp_kfac) {
+            std::vector<std::vector<int>> singletons;
+            for (int r = 0; r < world; ++r) singletons.push_back({r});
+            const auto owners = AssignmentStrategy::assign(dims, singletons, world, true);
+            for (std::size_t i = 0; i < layers_.size(); ++i) {
+                auto& p = layers_[i].plan;
+                p.a_worker = p.g_worker = owners[i].a;
+                const bool mine = owners[i].a == me;
+                p.holds_factors = p.computes_a = p.computes_g = p.grad_worker = mine;
+                p.share_gradient = world > 1;
+                p.grad_root = owners[i].a;
+            }
+            gradient_group_ = comm_.world();
+            started_ = true;
+            return;
+        }
+        const assignment::kaisa_grid grid(world, options_.grad_worker_fraction);
+        if (!options_.colocate_factors && grid.grad_workers() == 1 && world > 1)
+            throw error("options.colocate_factors = false with MEM_OPT (grad_worker_fraction = " +
+                        std::to_string(options_.grad_worker_fraction) + "): MEM_OPT keeps a layer's "
+                        "data on one rank; set colocate_factors = true");
+        if (!options_.colocate_factors && eigen_product)
+            throw error("options.colocate_factors = false with compute_eigenvalue_outer_product: the "
+                        "product needs both eigenvalue sets on one rank; set colocate_factors = true or "
+                        "compute_eigenvalue_outer_product = false");
+        const auto workers = AssignmentStrategy::assign(dims, grid.columns_list(), world, options_.colocate_factors);
+        column_group_ = comm_.split(grid.column_of(me));
+        gradient_group_ = comm_.split(grid.row_of(me));
+        for (std::size_t i = 0; i < layers_.size(); ++i) {
+            auto& l = layers_[i];
+            auto& p = l.plan;
+            p.a_worker = workers[i].a;
+            p.g_worker = workers[i].g;
+            p.computes_a = p.a_worker == me;
+            p.computes_g = p.g_worker == me;
+            const int column = grid.column_of(p.g_worker);
+            p.grad_worker = grid.column_of(me) == column;
+            p.share_second_order = grid.broadcast_inverses() && p.grad_worker;
+            p.a_root = grid.row_of(p.a_worker);
+            p.g_root = grid.row_of(p.g_worker);
+            p.share_gradient = grid.broadcast_gradients();
+            p.grad_root = column;
+            if (p.grad_worker && !(p.computes_a && p.computes_g))
+                method::prepare_receive(l.second, l.description.a_dim(), l.description.g_dim(), options_);
+        }
+        started_ = true;
+    }
+
     void report(const layer_record& l, non_finite_source source, std::int64_t k) {
         if (on_non_finite_) on_non_finite_(non_finite_event{l.name, source, k});
     }
@@ -246,25 +396,50 @@ private:
     void capture_pass() {
         const scalar_type beta = passes_ == 0 ? scalar_type(0) : scalar_type(1);
         for (auto& l : layers_) {
+            if (!l.plan.holds_factors) continue;
             const auto a = l.activations(l.layer);
             const auto g = l.output_gradients(l.layer);
-            detail::check_statistics_views(l.name, l.description, a, g, steps_);
             Backend::accumulate_a_statistic(l.a_sum, l.description, a, options_.conv_patches,
                                              beta, l.backend_ws);
             Backend::accumulate_g_statistic(l.g_sum, l.description, g, beta, l.backend_ws);
+            const auto rows = l.description.kind == layer_kind::linear ? detail::leading_rows(a) : a.extent(0);
+            l.captured_rows = (passes_ == 0 ? scalar_type(0) : l.captured_rows) + static_cast<scalar_type>(rows);
         }
         ++passes_;
     }
 
+    /// Running averages F ← ξF + (1 − ξ)F̂. Under KAISA with several ranks F̂ is the average
+    /// of the ranks' batch statistics weighted by their rows (equal to KAISA's plain average
+    /// for equal local batches, and exact for unequal ones), summed in one bucketed
+    /// allreduce pass that also carries the weights.
     void update_factors(std::int64_t k) {
         const double decay = options_.factor_decay(k);
         if (!(decay >= 0.0 && decay < 1.0))
             throw error("options.factor_decay evaluated to " + std::to_string(decay) +
                         " at step " + std::to_string(k) + "; it must lie in [0, 1)");
         const auto xi = static_cast<scalar_type>(decay);
-        const auto weight = static_cast<scalar_type>((1.0 - decay) / static_cast<double>(passes_));
-        std::vector<matrix*> factors;
-        for (auto& l : layers_) {
+        const bool averaged = options_.strategy == distribution::kaisa && comm_.size() > 1;
+        std::vector<scalar_type> weights;
+        if (averaged) {
+            std::vector<allreduce_item<scalar_type>> items;
+            for (auto& l : layers_) {
+                // Mean over passes, times this rank's rows: Σ_r rows_r · F̂_r is summed.
+                const auto w = l.captured_rows / static_cast<scalar_type>(passes_);
+                Backend::scale_symmetric(l.a_sum, w);
+                Backend::scale_symmetric(l.g_sum, w);
+                items.push_back({l.a_sum.data(), static_cast<std::size_t>(l.a_sum.size()), true, l.a_sum.rows()});
+                items.push_back({l.g_sum.data(), static_cast<std::size_t>(l.g_sum.size()), true, l.g_sum.rows()});
+                weights.push_back(l.captured_rows);
+            }
+            items.push_back({weights.data(), weights.size(), false, 0});
+            const auto cap = static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
+            comm_.allreduce_sum(items, cap, options_.symmetry_aware, comm_.world());
+        }
+        for (std::size_t i = 0; i < layers_.size(); ++i) {
+            auto& l = layers_[i];
+            if (!l.plan.holds_factors) continue;
+            const auto weight = averaged ? static_cast<scalar_type>((1.0 - decay) / static_cast<double>(weights[i]))
+                                         : static_cast<scalar_type>((1.0 - decay) / static_cast<double>(passes_));
             if (Backend::lower_all_finite(l.a_sum) && Backend::lower_all_finite(l.g_sum)) {
                 Backend::running_average(l.a_factor, l.a_sum, xi, weight);
                 Backend::running_average(l.g_factor, l.g_sum, xi, weight);
@@ -272,26 +447,42 @@ private:
                 ++health_.skipped_factor_updates;
                 report(l, non_finite_source::factor_statistics, k);
             }
-            factors.push_back(&l.a_factor);
-            factors.push_back(&l.g_factor);
         }
-        comm_.allreduce_average(factors);
         passes_ = 0;
     }
 
     void update_second_order(std::int64_t k, double damping) {
         for (auto& l : layers_) {
-            typename method::layer_data next;
-            if (method::compute_factor(l.a_factor, damping, next.a) &&
-                method::compute_factor(l.g_factor, damping, next.g)) {
-                method::finalize_layer(next, damping, options_);
-                l.second = std::move(next);
+            const auto& p = l.plan;
+            if (p.computes_a || p.computes_g) {
+                typename method::factor_data a, g;
+                const bool ok = (!p.computes_a || method::compute_factor(l.a_factor, damping, a)) &&
+                                (!p.computes_g || method::compute_factor(l.g_factor, damping, g));
+                if (ok) {
+                    if (p.computes_a) l.second.a = std::move(a);
+                    if (p.computes_g) l.second.g = std::move(g);
+                    if (p.computes_a && p.computes_g) method::finalize_layer(l.second, damping, options_);
+                    l.has_second = true;
+                } else {
+                    ++health_.kept_decompositions;
+                    report(l, non_finite_source::decomposition, k);
+                    if (!l.has_second) {  // nothing to keep: precondition with the identity's data
+                        method::identity_data(l.second, l.description.a_dim(), l.description.g_dim(), damping, options_);
+                        l.has_second = true;
+                    }
+                }
+            }
+            if (p.share_second_order) {
+                method::for_each_payload(l.second, 'A', [&](scalar_type* d, std::size_t n) {
+                    comm_.broadcast(d, n, p.a_root, column_group_);
+                });
+                method::for_each_payload(l.second, 'G', [&](scalar_type* d, std::size_t n) {
+                    comm_.broadcast(d, n, p.g_root, column_group_);
+                });
                 l.has_second = true;
-            } else {
-                ++health_.kept_decompositions;
-                report(l, non_finite_source::decomposition, k);
             }
         }
+        comm_.wait();
     }
 
     void precondition_all(std::int64_t k, double damping) {
@@ -299,21 +490,28 @@ private:
         if (kl_clip && !(*kl_clip > 0.0))
             throw error("options.kl_clip evaluated to " + std::to_string(*kl_clip) + " at step " +
                         std::to_string(k) + "; it must be > 0 or std::nullopt");
+        for (auto& l : layers_) {
+            Backend::load_gradient(l.gamma, as_const(l.weight_gradient(l.layer)), as_const(l.bias_gradient(l.layer)));
+            if (l.plan.grad_worker) {
+                if (!Backend::all_finite(l.gamma))
+                    l.preconditioned = Backend::zeros(l.description.g_dim(), l.description.a_dim());
+                else if (l.has_second)
+                    method::precondition(l.second, l.gamma, damping, options_, l.method_ws, l.preconditioned);
+                else
+                    l.preconditioned = l.gamma;  // no second-order data yet: plain SGD
+            } else {
+                l.preconditioned.resize(l.description.g_dim(), l.description.a_dim());
+            }
+            if (l.plan.share_gradient)
+                comm_.broadcast(l.preconditioned.data(), static_cast<std::size_t>(l.preconditioned.size()),
+                                l.plan.grad_root, gradient_group_);
+        }
+        comm_.wait();
         double vg_sum = 0.0;
         for (auto& l : layers_) {
-            const auto w = l.weight_gradient(l.layer);
-            const auto b = l.bias_gradient(l.layer);
-            detail::check_gradient_views(l.name, l.description, w, b);
-            Backend::load_gradient(l.gamma, as_const(w), as_const(b));
-            l.usable = Backend::all_finite(l.gamma);
-            if (l.usable) {
-                if (l.has_second)
-                    method::precondition(l.second, l.gamma, damping, options_, l.method_ws,
-                                         l.preconditioned);
-                else
-                    l.preconditioned = l.gamma;  // no usable second-order data yet: plain SGD
-                l.usable = Backend::all_finite(l.preconditioned);
-            }
+            // Γ is the same on every rank and P arrives from one source, so every rank
+            // reaches the same verdict.
+            l.usable = Backend::all_finite(l.gamma) && Backend::all_finite(l.preconditioned);
             if (!l.usable) {
                 l.preconditioned = Backend::zeros(l.description.g_dim(), l.description.a_dim());
                 ++health_.zeroed_gradients;
@@ -332,11 +530,9 @@ private:
             if (vg_sum != 0.0) scale = std::min(1.0, std::sqrt(*kl_clip / std::abs(vg_sum)));
         }
         last_kl_scale_ = scale;
-        for (auto& l : layers_) {
-            const auto w = l.weight_gradient(l.layer);
-            const auto b = l.bias_gradient(l.layer);
-            Backend::store_gradient(l.preconditioned, static_cast<scalar_type>(scale), w, b);
-        }
+        for (auto& l : layers_)
+            Backend::store_gradient(l.preconditioned, static_cast<scalar_type>(scale), l.weight_gradient(l.layer),
+                                    l.bias_gradient(l.layer));
     }
 
     options options_;
@@ -349,6 +545,8 @@ private:
     double last_kl_scale_ = 1.0;
     health_counters health_{};
     std::function<void(const non_finite_event&)> on_non_finite_;
+    group column_group_{};
+    group gradient_group_{};
 };
 
 }  // namespace kfac

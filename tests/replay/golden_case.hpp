@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -49,13 +50,17 @@ struct replay_report {
 
 /// max|x − r| / max|r| (golden/README.md §7); absolute when r is all zero.
 template <class X, class R>
-double relative_error(const X& x, const R& r) {
+double relative_error(const X& x, const R& r, std::size_t n) {
     double num = 0.0, den = 0.0;
-    for (std::size_t i = 0; i < r.size(); ++i) {
+    for (std::size_t i = 0; i < n; ++i) {
         num = std::max(num, std::abs(static_cast<double>(x[i]) - static_cast<double>(r[i])));
         den = std::max(den, std::abs(static_cast<double>(r[i])));
     }
     return den > 0.0 ? num / den : num;
+}
+template <class X>
+double relative_error(const X& x, const xt::xarray<double>& r) {
+    return relative_error(x, r.data(), r.size());
 }
 
 class golden_case {
@@ -160,10 +165,45 @@ kfac::tensor_view<const T> const_view_of(const xt::xarray<T>& a) {
     return kfac::tensor_view<const T>::from_extents(a.data(), a.shape());
 }
 
-/// Replays every step of the case in precision Scalar with the given compute method.
-template <class Scalar, class Method>
-replay_report replay_with(const golden_case& c, double rtol) {
-    using kfac_type = kfac::KFAC<kfac::backend::cpu_eigen<Scalar>, kfac::comm::serial, Method>;
+/// How the replay distributes the work (meaningful with several ranks).
+struct distributed_setup {
+    kfac::distribution strategy = kfac::distribution::kaisa;
+    double grad_worker_fraction = kfac::comm_opt;
+    bool colocate = true;
+    std::string assignment = "compute";  ///< compute | memory | round_robin
+};
+
+/// Rank r's contiguous block of n rows: the first n % W ranks get one row more.
+inline std::pair<std::int64_t, std::int64_t> row_block(std::int64_t n, int world, int rank) {
+    const std::int64_t base = n / world, extra = n % world;
+    const std::int64_t begin = rank * base + std::min<std::int64_t>(rank, extra);
+    return {begin, base + (rank < extra ? 1 : 0)};
+}
+
+/// Points a view at rows [begin, begin + count) of a C-order array along dimension 0.
+template <class T>
+kfac::tensor_view<const T> rows_of(const xt::xarray<T>& a, std::int64_t begin, std::int64_t count) {
+    auto v = const_view_of(a);
+    const std::int64_t per_row = v.extent(0) ? v.size() / v.extent(0) : 0;
+    v.data += begin * per_row;
+    v.extents[0] = count;
+    return v;
+}
+
+/// One step's arrays of every layer.
+template <class Scalar>
+struct step_arrays {
+    std::vector<xt::xarray<Scalar>> a, g, gw, gb;
+};
+
+/// Replays every step of the case. With several ranks (Comm = comm::mpi) each rank gets its
+/// contiguous block of each step's rows while the gradients are the full-batch ones, as
+/// data-parallel training delivers them. KAISA must reproduce the recording on every rank;
+/// DP-KFAC is compared with single-process preconditioners fed each owner's shard.
+template <class Scalar, class Method, class Assignment, class Comm>
+replay_report replay_with(const golden_case& c, double rtol, const distributed_setup& setup, Comm comm) {
+    using kfac_type = kfac::KFAC<kfac::backend::cpu_eigen<Scalar>, Comm, Method, Assignment>;
+    using shard_type = kfac::KFAC<kfac::backend::cpu_eigen<Scalar>, kfac::comm::serial, Method, Assignment>;
     const json& meta = c.meta();
     const json& hp = meta.at("kfac");
     replay_report report;
@@ -173,22 +213,45 @@ replay_report replay_with(const golden_case& c, double rtol) {
         m = std::max(m, e);
         report.worst = std::max(report.worst, e);
     };
+    const int world = comm.size(), rank = comm.rank();
+    const bool dp = setup.strategy == kfac::distribution::dp_kfac;
 
-    const kfac::options opts = options_of(hp);
-    kfac_type precond(opts);
+    kfac::options opts = options_of(hp);
+    opts.strategy = setup.strategy;
+    opts.grad_worker_fraction = setup.grad_worker_fraction;
+    opts.colocate_factors = setup.colocate;
+    const std::int64_t micro = opts.accumulation_steps;
+    if (micro > 1 && world > 1)
+        throw kfac::error("replaying accumulation_steps > 1 on several ranks is not supported");
+    kfac_type precond(opts, std::move(comm));
+
     std::vector<json> layers_meta;
-    for (const auto& name : meta.at("layer_order")) {
+    for (const auto& name : meta.at("layer_order"))
         for (const auto& l : meta.at("layers"))
             if (l.at("name") == name) layers_meta.push_back(l);
-    }
     if (layers_meta.size() != meta.at("layers").size())
         report.problems.push_back("layer_order does not list every layer exactly once");
-    std::vector<kfac::layer_view<Scalar>> views(layers_meta.size());
-    for (std::size_t i = 0; i < layers_meta.size(); ++i) {
+    const std::size_t n_layers = layers_meta.size();
+    std::vector<kfac::layer_view<Scalar>> views(n_layers);
+    for (std::size_t i = 0; i < n_layers; ++i) {
         views[i].description = description_of(layers_meta[i]);
         precond.register_layer(layers_meta[i].at("name").get<std::string>(), views[i]);
     }
-    const std::int64_t micro = opts.accumulation_steps;
+    // DP-KFAC's reference: one single-process preconditioner per shard, without kl_clip
+    // (ν mixes layers of different owners and is recomputed below).
+    std::vector<std::unique_ptr<shard_type>> shards;
+    std::vector<std::vector<kfac::layer_view<Scalar>>> shard_views;
+    if (dp) {
+        kfac::options shard_opts = options_of(hp);
+        shard_opts.kl_clip = std::optional<double>{};
+        shard_views.assign(static_cast<std::size_t>(world), views);
+        for (int s = 0; s < world; ++s) {
+            shards.push_back(std::make_unique<shard_type>(shard_opts));
+            for (std::size_t i = 0; i < n_layers; ++i)
+                shards.back()->register_layer(layers_meta[i].at("name").get<std::string>(), shard_views[static_cast<std::size_t>(s)][i]);
+        }
+    }
+
     const std::int64_t steps = meta.at("steps").get<std::int64_t>();
     for (std::int64_t t = 0; t < steps; ++t) {
         const bool factor_update = t % hp.at("factor_update_steps").get<std::int64_t>() == 0;
@@ -200,60 +263,105 @@ replay_report replay_with(const golden_case& c, double rtol) {
                 report.problems.push_back("step " + std::to_string(t) +
                                           ": case.json schedule disagrees with the update intervals");
         }
-        std::vector<xt::xarray<Scalar>> a(views.size()), g(views.size()), gw(views.size()), gb(views.size());
-        for (std::size_t i = 0; i < views.size(); ++i) {
+        step_arrays<Scalar> x;
+        x.a.resize(n_layers), x.g.resize(n_layers), x.gw.resize(n_layers), x.gb.resize(n_layers);
+        for (std::size_t i = 0; i < n_layers; ++i) {
             const std::string name = layers_meta[i].at("name");
-            gw[i] = c.template load<Scalar>(c.file(t, name, "grad_w"));
-            views[i].grad_weight = view_of(gw[i]);
-            if (views[i].description.bias) {
-                gb[i] = c.template load<Scalar>(c.file(t, name, "grad_b"));
-                views[i].grad_bias = view_of(gb[i]);
-            }
+            x.gw[i] = c.template load<Scalar>(c.file(t, name, "grad_w"));
+            if (views[i].description.bias) x.gb[i] = c.template load<Scalar>(c.file(t, name, "grad_b"));
             if (factor_update) {
-                a[i] = c.template load<Scalar>(c.file(t, name, "a"));
-                g[i] = c.template load<Scalar>(c.file(t, name, "g"));
+                x.a[i] = c.template load<Scalar>(c.file(t, name, "a"));
+                x.g[i] = c.template load<Scalar>(c.file(t, name, "g"));
             }
         }
+        const step_arrays<Scalar> raw = x;  // Γ before preconditioning
+        auto bind_gradients = [&](std::vector<kfac::layer_view<Scalar>>& vs, step_arrays<Scalar>& arrays) {
+            for (std::size_t i = 0; i < n_layers; ++i) {
+                vs[i].grad_weight = view_of(arrays.gw[i]);
+                vs[i].grad_bias = vs[i].description.bias ? view_of(arrays.gb[i]) : kfac::tensor_view<Scalar>{};
+            }
+        };
+        auto bind_rows = [&](std::vector<kfac::layer_view<Scalar>>& vs, int r, int parts) {
+            for (std::size_t i = 0; i < n_layers && factor_update; ++i) {
+                const auto [begin, count] = row_block(x.a[i].shape()[0], parts, r);
+                vs[i].input = rows_of(x.a[i], begin, count);
+                vs[i].grad_output = rows_of(x.g[i], begin, count);
+            }
+        };
+        bind_gradients(views, x);
         // accumulation_steps = m: the step's rows are m equal micro-batches in order; the
         // mean of their statistics is what the reference's hooks averaged.
         for (std::int64_t m = 0; m < (factor_update ? micro : 1); ++m) {
-            for (std::size_t i = 0; i < views.size() && factor_update; ++i) {
-                auto in = const_view_of(a[i]);
-                auto out = const_view_of(g[i]);
-                if (micro > 1) {
-                    if (in.extent(0) % micro != 0 || out.extent(0) != in.extent(0))
-                        throw kfac::error("step " + std::to_string(t) + ": batch of " +
-                                          std::to_string(in.extent(0)) + " rows does not split into " +
+            if (micro > 1) {
+                for (std::size_t i = 0; i < n_layers && factor_update; ++i)
+                    if (x.a[i].shape()[0] % static_cast<std::size_t>(micro) != 0)
+                        throw kfac::error("step " + std::to_string(t) + ": the batch does not split into " +
                                           std::to_string(micro) + " equal micro-batches");
-                    const std::int64_t rows = in.extent(0) / micro;
-                    in.data += m * (in.size() / micro);
-                    out.data += m * (out.size() / micro);
-                    in.extents[0] = rows;
-                    out.extents[0] = rows;
-                }
-                views[i].input = in;
-                views[i].grad_output = out;
+                bind_rows(views, static_cast<int>(m), static_cast<int>(micro));
+                if (m + 1 < micro) precond.accumulate();
+            } else {
+                bind_rows(views, rank, world);
             }
-            if (m + 1 < micro && factor_update) precond.accumulate();
         }
         precond.step();
-        for (std::size_t i = 0; i < views.size(); ++i) {
-            const std::string name = layers_meta[i].at("name");
-            const auto& A = precond.a_factor(name);
-            const auto& G = precond.g_factor(name);
-            record("A", relative_error(A.data(), c.reference(c.file(t, name, "A"))));
-            record("G", relative_error(G.data(), c.reference(c.file(t, name, "G"))));
-            record("pgrad_w", relative_error(gw[i].data(), c.reference(c.file(t, name, "pgrad_w"))));
-            if (views[i].description.bias)
-                record("pgrad_b", relative_error(gb[i].data(), c.reference(c.file(t, name, "pgrad_b"))));
+
+        if (!dp) {
+            for (std::size_t i = 0; i < n_layers; ++i) {
+                const std::string name = layers_meta[i].at("name");
+                record("A", relative_error(precond.a_factor(name).data(), c.reference(c.file(t, name, "A"))));
+                record("G", relative_error(precond.g_factor(name).data(), c.reference(c.file(t, name, "G"))));
+                record("pgrad_w", relative_error(x.gw[i].data(), c.reference(c.file(t, name, "pgrad_w"))));
+                if (views[i].description.bias)
+                    record("pgrad_b", relative_error(x.gb[i].data(), c.reference(c.file(t, name, "pgrad_b"))));
+            }
+            const auto kl_file = c.file(t, "kl_scale");
+            if (fs::exists(kl_file)) {
+                const double ref = xt::load_npy<double>(kl_file.string())();
+                record("kl_scale", std::abs(precond.last_kl_scale() - ref) / std::abs(ref));
+            } else if (!hp.at("kl_clip").is_null()) {
+                report.problems.push_back("step " + std::to_string(t) + ": kl_clip is set but " +
+                                          kl_file.filename().string() + " is missing");
+            }
+            continue;
         }
-        const auto kl_file = c.file(t, "kl_scale");
-        if (fs::exists(kl_file)) {
-            const double ref = xt::load_npy<double>(kl_file.string())();
-            record("kl_scale", std::abs(precond.last_kl_scale() - ref) / std::abs(ref));
-        } else if (!hp.at("kl_clip").is_null()) {
-            report.problems.push_back("step " + std::to_string(t) + ": kl_clip is set but " +
-                                      kl_file.filename().string() + " is missing");
+        // DP-KFAC: expected P of layer L = the owner's shard preconditioner's, then one ν.
+        std::vector<step_arrays<Scalar>> shard_out(static_cast<std::size_t>(world), raw);
+        for (int s = 0; s < world; ++s) {
+            auto& sv = shard_views[static_cast<std::size_t>(s)];
+            bind_gradients(sv, shard_out[static_cast<std::size_t>(s)]);
+            bind_rows(sv, s, world);
+            shards[static_cast<std::size_t>(s)]->step();
+        }
+        double vg = 0.0;
+        std::vector<const step_arrays<Scalar>*> expected(n_layers);
+        for (std::size_t i = 0; i < n_layers; ++i) {
+            const std::string name = layers_meta[i].at("name");
+            const int owner = precond.workers(name).a;
+            expected[i] = &shard_out[static_cast<std::size_t>(owner)];
+            for (std::size_t e = 0; e < raw.gw[i].size(); ++e)
+                vg += static_cast<double>(expected[i]->gw[i].data()[e]) * static_cast<double>(raw.gw[i].data()[e]);
+            for (std::size_t e = 0; e < raw.gb[i].size() && views[i].description.bias; ++e)
+                vg += static_cast<double>(expected[i]->gb[i].data()[e]) * static_cast<double>(raw.gb[i].data()[e]);
+            if (owner == rank) {
+                const auto& sh = *shards[static_cast<std::size_t>(owner)];
+                record("A", relative_error(precond.a_factor(name).data(), sh.a_factor(name).data(), sh.a_factor(name).size()));
+                record("G", relative_error(precond.g_factor(name).data(), sh.g_factor(name).data(), sh.g_factor(name).size()));
+            }
+        }
+        double nu = 1.0;
+        if (!hp.at("kl_clip").is_null()) {
+            const double lr = hp.at("lr").get<double>();
+            vg *= lr * lr;
+            if (vg != 0.0) nu = std::min(1.0, std::sqrt(hp.at("kl_clip").get<double>() / std::abs(vg)));
+            record("kl_scale", std::abs(precond.last_kl_scale() - nu) / nu);
+        }
+        for (std::size_t i = 0; i < n_layers; ++i) {
+            xt::xarray<double> w = xt::xarray<double>(expected[i]->gw[i]) * nu;
+            record("pgrad_w", relative_error(x.gw[i].data(), w));
+            if (views[i].description.bias) {
+                xt::xarray<double> b = xt::xarray<double>(expected[i]->gb[i]) * nu;
+                record("pgrad_b", relative_error(x.gb[i].data(), b));
+            }
         }
     }
     return report;
@@ -262,24 +370,34 @@ replay_report replay_with(const golden_case& c, double rtol) {
 enum class precision { case_dtype, float64, float32 };
 
 /// Replays a case: compute method from case.json, precision as asked (by default the case's
-/// dtype), tolerance `rtol` or, when absent, the case's (float64) or float_replay_rtol when a
-/// float64 recording is replayed in float32
-/// (float_replay_rtol).
-inline replay_report replay(const golden_case& c, precision p = precision::case_dtype,
-                            std::optional<double> rtol = std::nullopt) {
+/// dtype), tolerance `rtol` or, when absent, the case's, or float_replay_rtol when a
+/// float64 recording is replayed in float32.
+template <class Comm = kfac::comm::serial, class MakeComm = Comm (*)()>
+replay_report replay(const golden_case& c, precision p = precision::case_dtype,
+                     std::optional<double> rtol = std::nullopt, const distributed_setup& setup = {},
+                     MakeComm make_comm = [] { return Comm{}; }) {
     const bool use_float = p == precision::float32 || (p == precision::case_dtype && c.dtype() == "float32");
     const double damping = c.meta().at("kfac").at("damping").get<double>();
     const double tol = rtol ? *rtol
-                            : (use_float && c.dtype() == "float64" ? float_replay_rtol(damping)
-                                                                   : c.rtol());
+                            : (use_float && c.dtype() == "float64" ? float_replay_rtol(damping) : c.rtol());
     const std::string method = c.meta().at("kfac").at("compute_method");
-    if (method == "eigen")
-        return use_float ? replay_with<float, kfac::compute::eigendecomposition>(c, tol)
-                         : replay_with<double, kfac::compute::eigendecomposition>(c, tol);
-    if (method == "inverse")
-        return use_float ? replay_with<float, kfac::compute::inverse>(c, tol)
-                         : replay_with<double, kfac::compute::inverse>(c, tol);
-    throw kfac::error("case.json kfac.compute_method '" + method + "' is neither eigen nor inverse");
+    auto with_assignment = [&](auto scalar_tag, auto method_tag) -> replay_report {
+        using S = decltype(scalar_tag);
+        using M = decltype(method_tag);
+        if (setup.assignment == "compute")
+            return replay_with<S, M, kfac::assignment::compute_balanced>(c, tol, setup, make_comm());
+        if (setup.assignment == "memory")
+            return replay_with<S, M, kfac::assignment::memory_balanced>(c, tol, setup, make_comm());
+        if (setup.assignment == "round_robin")
+            return replay_with<S, M, kfac::assignment::round_robin>(c, tol, setup, make_comm());
+        throw kfac::error("unknown assignment '" + setup.assignment + "' (compute, memory or round_robin)");
+    };
+    auto with_method = [&](auto scalar_tag) -> replay_report {
+        if (method == "eigen") return with_assignment(scalar_tag, kfac::compute::eigendecomposition{});
+        if (method == "inverse") return with_assignment(scalar_tag, kfac::compute::inverse{});
+        throw kfac::error("case.json kfac.compute_method '" + method + "' is neither eigen nor inverse");
+    };
+    return use_float ? with_method(float{}) : with_method(double{});
 }
 
 }  // namespace kfac_replay

@@ -19,6 +19,7 @@
 ///                                      scalar_type beta, workspace& ws);
 ///   // F ← decay·F + weight·sym(sum), where only sum's lower triangle is meaningful.
 ///   static void running_average(matrix& F, matrix& sum, scalar_type decay, scalar_type weight);
+///   static void scale_symmetric(matrix& M, scalar_type s);   // mirror lower, then M ← s·M
 ///   static bool symmetric_eigen(const matrix& M, matrix& Q, vector& lambda);  // ascending
 ///   static bool damped_inverse(const matrix& M, scalar_type damping, matrix& inverse);
 ///   // C = op(A)·op(B); trans_a / trans_b select the transpose.
@@ -188,6 +189,12 @@ struct cpu_eigen {
     static void running_average(matrix& F, matrix& sum, Scalar decay, Scalar weight) {
         sum.template triangularView<Eigen::StrictlyUpper>() = sum.transpose();
         F = decay * F + weight * sum;
+    }
+
+    /// M ← s·M after mirroring its lower triangle into the upper one.
+    static void scale_symmetric(matrix& M, Scalar s) {
+        M.template triangularView<Eigen::StrictlyUpper>() = M.transpose();
+        M *= s;
     }
 
     static bool symmetric_eigen(const matrix& M, matrix& Q, vector& lambda) {

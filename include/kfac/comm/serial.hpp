@@ -1,30 +1,56 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file serial.hpp
-/// The single-process communication policy.
+/// The single-process communication policy, and the contract every CommPolicy meets.
 ///
-/// **CommPolicy.** A communication policy is a type with
+/// **CommPolicy.** A communication policy is a (movable) type with
 /// ```
+///   using group = ...;                        // a subset of the ranks
 ///   int rank() const;  int size() const;
-///   // Replace each matrix by its average over all ranks (one bucketed pass).
-///   template <class Matrix> void allreduce_average(const std::vector<Matrix*>& factors);
-///   // Counters of collectives and bytes sent, per kind (see comm_counters).
+///   group world() const;                      // all ranks
+///   group split(int color);                   // collective: ranks with equal color, by rank
+///   int group_size(const group&) const;
+///   // Sum each buffer over all ranks of `g`, in buckets of at most cap_bytes (0: one per
+///   // item), packing symmetric items to their lower triangle when asked. Blocking.
+///   template <class T> void allreduce_sum(const std::vector<allreduce_item<T>>&,
+///                                         std::size_t cap_bytes, bool pack_symmetric, const group& g);
+///   // Start a broadcast of `count` values from group rank `root`; complete at wait().
+///   template <class T> void broadcast(T* data, std::size_t count, int root, const group& g);
+///   void wait();
+///   // Control: collective agreement on failure (first failing rank's message, or none).
+///   std::optional<std::string> agree(const std::optional<std::string>& local_error);
+///   std::vector<std::uint64_t> allgather(std::uint64_t value);
 ///   const comm_counters& counters() const;
 /// ```
-/// The preconditioner calls the collectives on every rank in the same order; a policy must
-/// never block on a rank that does not call it.
+/// Every rank calls the collectives in the same order. Groups of one rank send nothing and
+/// count nothing.
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace kfac {
 
-/// What a communication policy did, by kind of collective.
+/// What a communication policy did. Bytes are payload bytes of the calls this rank took
+/// part in; control traffic (agreement, digests) is counted apart.
 struct comm_counters {
     std::int64_t allreduce_calls = 0;
     std::int64_t allreduce_bytes = 0;
     std::int64_t broadcast_calls = 0;
     std::int64_t broadcast_bytes = 0;
+    std::int64_t control_calls = 0;
+};
+
+/// One buffer of a bucketed allreduce: `count` values, or a `dim` × `dim` symmetric
+/// column-major matrix when `symmetric` (then count = dim²).
+template <class T>
+struct allreduce_item {
+    T* data = nullptr;
+    std::size_t count = 0;
+    bool symmetric = false;
+    std::int64_t dim = 0;
 };
 
 namespace comm {
@@ -32,10 +58,20 @@ namespace comm {
 /// One process: every collective is the identity and nothing is sent.
 class serial {
 public:
+    struct group {};
+
     [[nodiscard]] int rank() const noexcept { return 0; }
     [[nodiscard]] int size() const noexcept { return 1; }
-    template <class Matrix>
-    void allreduce_average(const std::vector<Matrix*>&) noexcept {}
+    [[nodiscard]] group world() const noexcept { return {}; }
+    group split(int) noexcept { return {}; }
+    [[nodiscard]] int group_size(const group&) const noexcept { return 1; }
+    template <class T>
+    void allreduce_sum(const std::vector<allreduce_item<T>>&, std::size_t, bool, const group&) noexcept {}
+    template <class T>
+    void broadcast(T*, std::size_t, int, const group&) noexcept {}
+    void wait() noexcept {}
+    std::optional<std::string> agree(const std::optional<std::string>& local_error) { return local_error; }
+    std::vector<std::uint64_t> allgather(std::uint64_t value) { return {value}; }
     [[nodiscard]] const comm_counters& counters() const noexcept { return counters_; }
 
 private:

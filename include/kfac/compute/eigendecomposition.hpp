@@ -16,8 +16,17 @@
 ///   // P = preconditioned Γ (G_dim × A_dim) with the damping of this step.
 ///   static void precondition(const layer_data&, const matrix& gamma, double damping,
 ///                            const options&, workspace&, matrix& P);
+///   // Distribution: the buffers that carry one side ('A' or 'G') of a layer's data from the
+///   // rank that computed it to the others, in a fixed order; f(scalar* data, size_t count).
+///   template <class F> static void for_each_payload(layer_data&, char side, F&& f);
+///   // Sizes a receiver's layer_data so the payload buffers can be received in place.
+///   static void prepare_receive(layer_data&, index a_dim, index g_dim, const options&);
+///   // Data of the identity factor, for a rank whose first decomposition failed.
+///   static void identity_data(layer_data&, index a_dim, index g_dim, double damping, const options&);
 /// ```
 
+#include <cstddef>
+#include <cstdint>
 #include <utility>
 
 #include "kfac/detail/compute_impl.hpp"
@@ -69,6 +78,37 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         }
         l.inverse_eigen_product =
             ((l.g.lambda * l.a.lambda.transpose()).array() + static_cast<scalar>(damping)).inverse().matrix();
+    }
+
+    /// A side: Q_A, then λ_A unless D is precomputed. G side: Q_G, then D or λ_G.
+    template <class F>
+    static void for_each_payload(layer_data& l, char side, F&& f) {
+        auto send = [&](auto& m) { f(m.data(), static_cast<std::size_t>(m.size())); };
+        if (side == 'A') {
+            send(l.a.q);
+            if (!l.has_product) send(l.a.lambda);
+        } else {
+            send(l.g.q);
+            if (l.has_product) send(l.inverse_eigen_product);
+            else send(l.g.lambda);
+        }
+    }
+
+    static void prepare_receive(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, const options& o) {
+        l.has_product = o.compute_eigenvalue_outer_product;
+        l.a.q.resize(a_dim, a_dim);
+        l.g.q.resize(g_dim, g_dim);
+        l.a.lambda.resize(l.has_product ? 0 : a_dim);
+        l.g.lambda.resize(l.has_product ? 0 : g_dim);
+        l.inverse_eigen_product.resize(l.has_product ? g_dim : 0, l.has_product ? a_dim : 0);
+    }
+
+    static void identity_data(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, double damping, const options& o) {
+        l.a.q = matrix::Identity(a_dim, a_dim);
+        l.g.q = matrix::Identity(g_dim, g_dim);
+        l.a.lambda = vector::Ones(a_dim);
+        l.g.lambda = vector::Ones(g_dim);
+        finalize_layer(l, damping, o);
     }
 
     static void precondition(const layer_data& l, const matrix& gamma, double damping,

@@ -4,6 +4,8 @@
 /// Compute method: damped inverses of the factors (golden/README.md §6.2, §6.3).
 /// The ComputeMethod policy contract is documented in kfac/compute/eigendecomposition.hpp.
 
+#include <cstddef>
+#include <cstdint>
 #include <utility>
 
 #include "kfac/detail/compute_impl.hpp"
@@ -42,6 +44,22 @@ struct compute_impl<compute::inverse, Backend> {
     }
 
     static void finalize_layer(layer_data&, double, const options&) {}
+
+    template <class F>
+    static void for_each_payload(layer_data& l, char side, F&& f) {
+        auto& m = side == 'A' ? l.a.inverse : l.g.inverse;
+        f(m.data(), static_cast<std::size_t>(m.size()));
+    }
+
+    static void prepare_receive(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, const options&) {
+        l.a.inverse.resize(a_dim, a_dim);
+        l.g.inverse.resize(g_dim, g_dim);
+    }
+
+    static void identity_data(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, double damping, const options&) {
+        l.a.inverse = matrix::Identity(a_dim, a_dim) / static_cast<scalar>(1.0 + damping);
+        l.g.inverse = matrix::Identity(g_dim, g_dim) / static_cast<scalar>(1.0 + damping);
+    }
 
     static void precondition(const layer_data& l, const matrix& gamma, double, const options&,
                              workspace& w, matrix& P) {

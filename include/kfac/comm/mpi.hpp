@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file mpi.hpp
+/// The MPI communication policy (CMake target kfac::mpi). The contract is documented in
+/// kfac/comm/serial.hpp. The host passes its communicator (default MPI_COMM_WORLD); the
+/// policy duplicates it so the library's messages never match the host's.
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kfac/comm/serial.hpp"
+#include "kfac/config.hpp"
+
+namespace kfac::comm {
+
+namespace detail {
+
+inline void check_mpi(int code, const char* call) {
+    if (code == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(code, text, &length);
+    throw error(std::string("MPI call ") + call + " failed: " + std::string(text, static_cast<std::size_t>(length)));
+}
+
+template <class T>
+MPI_Datatype datatype() {
+    if constexpr (std::is_same_v<T, float>) return MPI_FLOAT;
+    else if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
+    else static_assert(std::is_same_v<T, float>, "kfac::comm::mpi: only float and double payloads");
+}
+
+inline int checked_count(std::size_t n) {
+    if (n > static_cast<std::size_t>(INT32_MAX))
+        throw error("kfac::comm::mpi: a message of " + std::to_string(n) + " values exceeds MPI's int count");
+    return static_cast<int>(n);
+}
+
+/// Copies a symmetric column-major dim × dim matrix's lower triangle (column by column,
+/// n(n+1)/2 values) to `out`, or back, mirroring it into the upper triangle.
+template <class T>
+void pack_lower(const T* m, std::int64_t dim, T* out) {
+    for (std::int64_t j = 0; j < dim; ++j) {
+        std::memcpy(out, m + j * dim + j, sizeof(T) * static_cast<std::size_t>(dim - j));
+        out += dim - j;
+    }
+}
+template <class T>
+void unpack_lower(const T* in, std::int64_t dim, T* m) {
+    for (std::int64_t j = 0; j < dim; ++j) {
+        for (std::int64_t i = j; i < dim; ++i) {
+            m[j * dim + i] = *in;
+            m[i * dim + j] = *in;
+            ++in;
+        }
+    }
+}
+
+}  // namespace detail
+
+/// MPI transport. Move-only: it owns duplicated communicators.
+class mpi {
+public:
+    /// A group of ranks: a communicator owned by the policy.
+    struct group {
+        MPI_Comm comm = MPI_COMM_NULL;
+        int size = 1;
+    };
+
+    /// @param comm the host's communicator; MPI must be initialised.
+    explicit mpi(MPI_Comm comm = MPI_COMM_WORLD) {
+        int initialised = 0;
+        MPI_Initialized(&initialised);
+        if (!initialised) throw error("kfac::comm::mpi: MPI_Init has not been called");
+        MPI_Comm dup = MPI_COMM_NULL;
+        detail::check_mpi(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup");
+        state_ = std::make_unique<state>();
+        state_->owned.push_back(dup);
+        state_->world.comm = dup;
+        MPI_Comm_rank(dup, &state_->rank);
+        MPI_Comm_size(dup, &state_->size);
+        state_->world.size = state_->size;
+    }
+
+    [[nodiscard]] int rank() const noexcept { return state_->rank; }
+    [[nodiscard]] int size() const noexcept { return state_->size; }
+    [[nodiscard]] group world() const noexcept { return state_->world; }
+    [[nodiscard]] int group_size(const group& g) const noexcept { return g.size; }
+
+    /// Collective over the world: ranks with the same color form a group, ordered by rank.
+    group split(int color) {
+        MPI_Comm c = MPI_COMM_NULL;
+        detail::check_mpi(MPI_Comm_split(state_->world.comm, color, state_->rank, &c), "MPI_Comm_split");
+        state_->owned.push_back(c);
+        ++state_->counters.control_calls;
+        group g{c, 1};
+        MPI_Comm_size(c, &g.size);
+        return g;
+    }
+
+    template <class T>
+    void allreduce_sum(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes,
+                       bool pack_symmetric, const group& g) {
+        if (g.size <= 1 || items.empty()) return;
+        // One bucket buffer per communicator, reused across steps (keyed by identity).
+        auto& buffer = bucket_storage<T>(g.comm);
+        auto packed_count = [&](const allreduce_item<T>& it) {
+            return pack_symmetric && it.symmetric
+                       ? static_cast<std::size_t>(it.dim * (it.dim + 1) / 2) : it.count;
+        };
+        const std::size_t cap = cap_bytes == 0 ? 0 : std::max<std::size_t>(1, cap_bytes / sizeof(T));
+        // Plan the buckets: consecutive items while the cap allows; an item larger than the
+        // cap travels alone.
+        std::vector<std::pair<std::size_t, std::size_t>> buckets;  // [first, last) items
+        std::size_t total = 0;
+        for (std::size_t i = 0, start = 0, fill = 0; i < items.size(); ++i) {
+            const std::size_t n = packed_count(items[i]);
+            if (i > start && (cap == 0 || fill + n > cap)) {
+                buckets.emplace_back(start, i);
+                start = i;
+                fill = 0;
+            }
+            fill += n;
+            total += n;
+            if (i + 1 == items.size()) buckets.emplace_back(start, i + 1);
+        }
+        buffer.resize(total);
+        std::vector<MPI_Request> requests(buckets.size(), MPI_REQUEST_NULL);
+        std::vector<std::size_t> offsets(buckets.size() + 1, 0);
+        // Pack and start each bucket as soon as it is full, so it travels while the next
+        // bucket is packed.
+        for (std::size_t b = 0; b < buckets.size(); ++b) {
+            std::size_t off = offsets[b];
+            for (std::size_t i = buckets[b].first; i < buckets[b].second; ++i) {
+                const auto& it = items[i];
+                if (pack_symmetric && it.symmetric) detail::pack_lower(it.data, it.dim, buffer.data() + off);
+                else std::memcpy(buffer.data() + off, it.data, sizeof(T) * it.count);
+                off += packed_count(it);
+            }
+            offsets[b + 1] = off;
+            const std::size_t n = off - offsets[b];
+            detail::check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buffer.data() + offsets[b], detail::checked_count(n),
+                                             detail::datatype<T>(), MPI_SUM, g.comm, &requests[b]),
+                              "MPI_Iallreduce");
+            ++state_->counters.allreduce_calls;
+            state_->counters.allreduce_bytes += static_cast<std::int64_t>(n * sizeof(T));
+        }
+        detail::check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+                          "MPI_Waitall");
+        std::size_t off = 0;
+        for (const auto& it : items) {
+            if (pack_symmetric && it.symmetric) detail::unpack_lower(buffer.data() + off, it.dim, it.data);
+            else std::memcpy(it.data, buffer.data() + off, sizeof(T) * it.count);
+            off += packed_count(it);
+        }
+    }
+
+    template <class T>
+    void broadcast(T* data, std::size_t count, int root, const group& g) {
+        if (g.size <= 1 || count == 0) return;
+        state_->pending.emplace_back();
+        detail::check_mpi(MPI_Ibcast(data, detail::checked_count(count), detail::datatype<T>(), root, g.comm,
+                                     &state_->pending.back()),
+                          "MPI_Ibcast");
+        ++state_->counters.broadcast_calls;
+        state_->counters.broadcast_bytes += static_cast<std::int64_t>(count * sizeof(T));
+    }
+
+    void wait() {
+        if (state_->pending.empty()) return;
+        auto requests = std::move(state_->pending);
+        state_->pending.clear();
+        detail::check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+                          "MPI_Waitall");
+    }
+
+    /// Every rank learns whether any failed; all get the lowest failing rank's message.
+    std::optional<std::string> agree(const std::optional<std::string>& local_error) {
+        const int world = state_->size;
+        if (world == 1) return local_error;
+        int mine = local_error ? state_->rank : world;
+        int first = world;
+        detail::check_mpi(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, state_->world.comm), "MPI_Allreduce");
+        ++state_->counters.control_calls;
+        if (first == world) return std::nullopt;
+        std::string message = state_->rank == first ? *local_error : std::string();
+        int length = static_cast<int>(message.size());
+        MPI_Bcast(&length, 1, MPI_INT, first, state_->world.comm);
+        message.resize(static_cast<std::size_t>(length));
+        MPI_Bcast(message.data(), length, MPI_CHAR, first, state_->world.comm);
+        state_->counters.control_calls += 2;
+        return "rank " + std::to_string(first) + ": " + message;
+    }
+
+    std::vector<std::uint64_t> allgather(std::uint64_t value) {
+        std::vector<std::uint64_t> out(static_cast<std::size_t>(state_->size));
+        detail::check_mpi(MPI_Allgather(&value, 1, MPI_UINT64_T, out.data(), 1, MPI_UINT64_T, state_->world.comm),
+                          "MPI_Allgather");
+        ++state_->counters.control_calls;
+        return out;
+    }
+
+    [[nodiscard]] const comm_counters& counters() const noexcept { return state_->counters; }
+
+private:
+    struct state {
+        int rank = 0;
+        int size = 1;
+        group world{};
+        std::vector<MPI_Comm> owned;
+        std::vector<MPI_Request> pending;
+        std::map<MPI_Comm, std::vector<float>> float_buckets;
+        std::map<MPI_Comm, std::vector<double>> double_buckets;
+        comm_counters counters{};
+        ~state() {
+            int finalized = 0;
+            MPI_Finalized(&finalized);
+            if (finalized) return;  // the host finalised first; nothing left to free
+            for (auto& c : owned) MPI_Comm_free(&c);
+        }
+    };
+
+    template <class T>
+    std::vector<T>& bucket_storage(MPI_Comm c) {
+        if constexpr (std::is_same_v<T, float>) return state_->float_buckets[c];
+        else return state_->double_buckets[c];
+    }
+
+    std::unique_ptr<state> state_;
+};
+
+}  // namespace kfac::comm

@@ -1,0 +1,274 @@
+// SPDX-License-Identifier: Apache-2.0
+// Run under `mpiexec -n W`: the communication each strategy performs (collectives and bytes
+// per step), symmetric packing, bucketing, and mismatches that must raise the same error on
+// every rank instead of hanging. A failure on any rank fails the test on every rank.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <mpi.h>
+
+#include <kfac/comm/mpi.hpp>
+#include <kfac/kfac.hpp>
+
+#include "unit/test_util.hpp"
+
+using namespace kfac_test;
+using Catch::Contains;
+
+namespace {
+
+int world_size() {
+    int w = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &w);
+    return w;
+}
+int world_rank() {
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+}
+
+/// "l<i>", built by appending: GCC 12 warns falsely (-Wrestrict, bug 105329) on
+/// `"l" + std::to_string(i)` at -O3.
+std::string layer_name(std::size_t i) {
+    std::string name = "l";
+    name += std::to_string(i);
+    return name;
+}
+
+template <class Method = kfac::compute::eigendecomposition>
+using mpi_kfac = kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::mpi, Method>;
+
+/// Three layers of different sizes; the same data on every rank (rows split is irrelevant
+/// for counting).
+struct model {
+    std::vector<owned_layer<double>> layers;
+    model() {
+        layers.push_back(random_linear<double>(8, 6, 5, true, 1));
+        layers.push_back(random_linear<double>(8, 5, 4, false, 2));
+        layers.push_back(random_linear<double>(8, 9, 3, true, 3));
+    }
+    template <class P>
+    void register_all(P& p) {
+        for (std::size_t i = 0; i < layers.size(); ++i) p.register_layer(layer_name(i), layers[i].view);
+    }
+    void reset_gradients() {
+        for (auto& l : layers) {
+            l.grad_weight = random_vector<double>(l.grad_weight.size(), 9, 0.1);
+            l.grad_bias = random_vector<double>(l.grad_bias.size(), 10, 0.1);
+            l.bind();
+        }
+    }
+};
+
+kfac::comm_counters delta(const kfac::comm_counters& after, const kfac::comm_counters& before) {
+    return {after.allreduce_calls - before.allreduce_calls, after.allreduce_bytes - before.allreduce_bytes,
+            after.broadcast_calls - before.broadcast_calls, after.broadcast_bytes - before.broadcast_bytes,
+            after.control_calls - before.control_calls};
+}
+
+/// Expected table for KAISA with fraction f, computed from the grid's definition.
+struct expectation {
+    std::int64_t factor_values = 0, factor_calls = 0;
+    std::int64_t second_calls = 0, second_values = 0;
+    std::int64_t grad_calls = 0, grad_values = 0;
+};
+
+template <class P>
+expectation expected_table(P& p, model& m, double fraction, bool eigen, bool product, bool packed) {
+    const int w = world_size(), me = world_rank();
+    const int g = fraction == 0.0 ? 1 : static_cast<int>(w * fraction + 0.5);
+    const int columns = w / g;
+    expectation e;
+    for (std::size_t i = 0; i < m.layers.size(); ++i) {
+        const auto& d = m.layers[i].view.description;
+        const std::int64_t a = d.a_dim(), gd = d.g_dim();
+        e.factor_values += packed ? a * (a + 1) / 2 + gd * (gd + 1) / 2 : a * a + gd * gd;
+        const auto workers = p.workers(layer_name(i));
+        const bool in_column = me % columns == workers.g % columns;
+        if (g > 1 && in_column) {
+            if (!eigen) {
+                e.second_calls += 2;
+                e.second_values += a * a + gd * gd;
+            } else if (product) {  // Q_A | Q_G, D
+                e.second_calls += 3;
+                e.second_values += a * a + gd * gd + gd * a;
+            } else {  // Q_A, λ_A | Q_G, λ_G
+                e.second_calls += 4;
+                e.second_values += a * a + a + gd * gd + gd;
+            }
+        }
+        if (g < w) {
+            e.grad_calls += 1;
+            e.grad_values += gd * a;
+        }
+    }
+    e.factor_values += static_cast<std::int64_t>(m.layers.size());  // the row weights
+    e.factor_calls = w > 1 ? 1 : 0;
+    if (w == 1) e.factor_values = 0;
+    return e;
+}
+
+template <class Method>
+void check_table(double fraction, bool product, bool packed) {
+    const int w = world_size();
+    if (fraction == kfac::hybrid_opt && w % 2 != 0 && w != 1) return;  // not valid here
+    model m;
+    kfac::options o;
+    o.grad_worker_fraction = fraction;
+    o.compute_eigenvalue_outer_product = product;
+    o.symmetry_aware = packed;
+    o.factor_update_steps = std::int64_t{2};
+    o.inv_update_steps = std::int64_t{4};
+    mpi_kfac<Method> p(o, kfac::comm::mpi());
+    m.register_all(p);
+    const bool eigen = std::is_same_v<Method, kfac::compute::eigendecomposition>;
+    std::vector<kfac::comm_counters> per_step;
+    for (int t = 0; t < 5; ++t) {
+        m.reset_gradients();
+        const auto before = p.comm().counters();
+        p.step();
+        per_step.push_back(delta(p.comm().counters(), before));
+    }
+    const auto e = expected_table(p, m, fraction, eigen, product, packed);
+    INFO("W=" << w << " rank=" << world_rank() << " strategy=" << p.strategy_name() << " packed=" << packed);
+    for (int t = 0; t < 5; ++t) {
+        INFO("step " << t);
+        const bool factor_step = t % 2 == 0, inverse_step = t % 4 == 0;
+        const auto& c = per_step[static_cast<std::size_t>(t)];
+        // Factor-update steps: one bucketed allreduce pass over all factors; else none.
+        CHECK(c.allreduce_calls == (factor_step ? e.factor_calls : 0));
+        CHECK(c.allreduce_bytes == (factor_step ? e.factor_values * 8 : 0));
+        // Inverse-update steps add second-order broadcasts within columns; every step
+        // carries the gradient broadcasts within rows (none under COMM_OPT).
+        const std::int64_t calls = (inverse_step ? e.second_calls : 0) + e.grad_calls;
+        const std::int64_t values = (inverse_step ? e.second_values : 0) + e.grad_values;
+        CHECK(c.broadcast_calls == calls);
+        CHECK(c.broadcast_bytes == values * 8);
+    }
+    if (fraction == kfac::mem_opt || w == 1) CHECK(e.second_calls == 0);
+    if (fraction == kfac::comm_opt) CHECK(e.grad_calls == 0);
+}
+
+}  // namespace
+
+TEST_CASE("communication table per strategy", "[mpi][comm]") {
+    for (double f : {kfac::comm_opt, kfac::hybrid_opt, kfac::mem_opt}) {
+        for (bool packed : {false, true}) {
+            check_table<kfac::compute::eigendecomposition>(f, true, packed);
+            check_table<kfac::compute::eigendecomposition>(f, false, packed);
+            check_table<kfac::compute::inverse>(f, true, packed);
+        }
+    }
+}
+
+TEST_CASE("symmetric packing sends n(n+1)/2 values per factor", "[mpi][comm]") {
+    if (world_size() == 1) return;
+    std::int64_t bytes[2] = {0, 0};
+    for (int packed = 0; packed < 2; ++packed) {
+        model m;
+        kfac::options o;
+        o.symmetry_aware = packed == 1;
+        mpi_kfac<> p(o, kfac::comm::mpi());
+        m.register_all(p);
+        p.step();
+        bytes[packed] = p.comm().counters().allreduce_bytes;
+    }
+    // Layers: A 7, 5, 10; G 5, 4, 3 (+3 weights).
+    CHECK(bytes[0] == (49 + 25 + 100 + 25 + 16 + 9 + 3) * 8);
+    CHECK(bytes[1] == (28 + 15 + 55 + 15 + 10 + 6 + 3) * 8);
+}
+
+TEST_CASE("bucketing splits the factor allreduce by the cap", "[mpi][comm]") {
+    if (world_size() == 1) return;
+    model m;
+    kfac::options o;
+    o.allreduce_bucket_cap_mb = 600.0 / (1024.0 * 1024.0);  // 600 bytes: 75 doubles
+    mpi_kfac<> p(o, kfac::comm::mpi());
+    m.register_all(p);
+    p.step();
+    // Items in order (values): 49, 25 | 25, 16 | 100 (alone, over the cap) | 9, 3.
+    CHECK(p.comm().counters().allreduce_calls == 4);
+    kfac::options none;
+    none.allreduce_bucket_cap_mb = 0.0;  // one call per item: 6 factors + the weights
+    model m2;
+    mpi_kfac<> q(none, kfac::comm::mpi());
+    m2.register_all(q);
+    q.step();
+    CHECK(q.comm().counters().allreduce_calls == 7);
+}
+
+TEST_CASE("ranks that registered different layers all raise the same error", "[mpi][mismatch]") {
+    if (world_size() == 1) return;
+    model m;
+    mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+    m.register_all(p);
+    auto extra = random_linear<double>(8, 2, 2, false, 4);
+    if (world_rank() == world_size() - 1) p.register_layer("extra", extra.view);
+    CHECK_THROWS_WITH(p.step(), Contains("ranks disagree on the registered layers or the options") &&
+                                    Contains("rank " + std::to_string(world_size() - 1)));
+}
+
+TEST_CASE("ranks with different shapes or options all raise the same error", "[mpi][mismatch]") {
+    if (world_size() == 1) return;
+    {
+        auto l = random_linear<double>(8, 6, world_rank() == 0 ? 5 : 4, false, 5);
+        mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+        p.register_layer("fc", l.view);
+        CHECK_THROWS_WITH(p.step(), Contains("ranks disagree"));
+    }
+    {
+        auto l = random_linear<double>(8, 6, 5, false, 5);
+        kfac::options o;
+        o.damping = world_rank() == 0 ? 0.001 : 0.002;
+        mpi_kfac<> p(o, kfac::comm::mpi());
+        p.register_layer("fc", l.view);
+        CHECK_THROWS_WITH(p.step(), Contains("ranks disagree"));
+    }
+}
+
+TEST_CASE("a bad view on one rank raises its error on every rank", "[mpi][mismatch]") {
+    if (world_size() == 1) return;
+    auto l = random_linear<double>(8, 6, 5, true, 6);
+    if (world_rank() == 1) l.view.grad_bias = {};
+    mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+    p.register_layer("fc", l.view);
+    CHECK_THROWS_WITH(p.step(), Contains("rank 1: layer 'fc'") && Contains("bias gradient"));
+}
+
+TEST_CASE("an invalid fraction names the valid values", "[mpi][errors]") {
+    if (world_size() != 3) return;
+    model m;
+    kfac::options o;
+    o.grad_worker_fraction = kfac::hybrid_opt;
+    mpi_kfac<> p(o, kfac::comm::mpi());
+    m.register_all(p);
+    CHECK_THROWS_WITH(p.step(), Contains("does not divide the world size 3") && Contains("0.333333"));
+}
+
+TEST_CASE("DP-KFAC: only the owner holds a layer's factors", "[mpi][dp_kfac]") {
+    model m;
+    kfac::options o;
+    o.strategy = kfac::distribution::dp_kfac;
+    mpi_kfac<> p(o, kfac::comm::mpi());
+    m.register_all(p);
+    const auto before = p.comm().counters();
+    p.step();
+    const auto c = delta(p.comm().counters(), before);
+    CHECK(c.allreduce_calls == 0);  // no factor communication
+    CHECK(c.broadcast_calls == (world_size() > 1 ? 3 : 0));  // one gradient broadcast per layer
+    for (std::size_t i = 0; i < m.layers.size(); ++i) {
+        const std::string name = layer_name(i);
+        const bool owner = p.workers(name).a == world_rank();
+        CHECK(p.a_factor(name).isIdentity() != owner);  // non-owners never update
+    }
+}
+
+int main(int argc, char** argv) {
+    MPI_Init(&argc, &argv);
+    const int failed = Catch::Session().run(argc, argv);
+    int any = 0;
+    MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Finalize();
+    return any;
+}
