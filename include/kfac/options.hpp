@@ -105,6 +105,9 @@ struct options {
     std::vector<std::string> skip_layers{};
     /// Patch extraction for dilated convolutions.
     conv_patch_mode conv_patches = conv_patch_mode::reference;
+    /// Threads for layer-level task parallelism; 0: KFAC_NUM_THREADS, OPENBLAS_NUM_THREADS or
+    /// OMP_NUM_THREADS from the environment, else all cores (1 per rank with several ranks).
+    int threads = 0;
 
     // Distribution; without effect in a single process.
     distribution strategy = distribution::kaisa;
@@ -165,6 +168,8 @@ inline void validate(const options& o) {
     require(o.accumulation_steps > 0, "options.accumulation_steps = " +
                                           std::to_string(o.accumulation_steps) +
                                           " is invalid: it must be >= 1");
+    require(o.threads >= 0, "options.threads = " + std::to_string(o.threads) +
+                                " is invalid: it must be >= 0 (0: from the environment)");
     require(o.allreduce_bucket_cap_mb >= 0.0, "options.allreduce_bucket_cap_mb = " +
                                                   std::to_string(o.allreduce_bucket_cap_mb) +
                                                   " is invalid: it must be >= 0 (0: no bucketing)");

@@ -21,6 +21,7 @@
 #include "kfac/comm/serial.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/detail/digest.hpp"
+#include "kfac/detail/task_parallel.hpp"
 #include "kfac/detail/layer_checks.hpp"
 #include "kfac/fwd.hpp"
 #include "kfac/layers/layer_traits.hpp"
@@ -234,7 +235,7 @@ private:
         typename method::layer_data second{};
         bool has_second = false;
         typename method::workspace method_ws{};
-        matrix gamma, preconditioned;
+        matrix gamma, preconditioned;  // Γᵀ and Pᵀ (A_dim × G_dim), see Backend::load_gradient
         bool usable = true;  // false: this step's gradient is zeroed
         scalar_type captured_rows = 0;  // rows folded into this step's statistics
         layer_plan plan{};
@@ -329,6 +330,7 @@ private:
     /// second-order work and builds the communication groups. Collective.
     void setup() {
         if (started_) return;
+        threads_ = options_.threads > 0 ? options_.threads : detail::default_thread_count(comm_.size());
         const auto digests = comm_.allgather(configuration_digest());
         for (std::size_t r = 1; r < digests.size(); ++r)
             if (digests[r] != digests[0])
@@ -393,18 +395,28 @@ private:
         if (on_non_finite_) on_non_finite_(non_finite_event{l.name, source, k});
     }
 
+    /// Folds this pass's statistics into a_sum/g_sum; one task per factor.
     void capture_pass() {
         const scalar_type beta = passes_ == 0 ? scalar_type(0) : scalar_type(1);
+        std::vector<detail::task> tasks;
         for (auto& l : layers_) {
             if (!l.plan.holds_factors) continue;
             const auto a = l.activations(l.layer);
             const auto g = l.output_gradients(l.layer);
-            Backend::accumulate_a_statistic(l.a_sum, l.description, a, options_.conv_patches,
-                                             beta, l.backend_ws);
-            Backend::accumulate_g_statistic(l.g_sum, l.description, g, beta, l.backend_ws);
             const auto rows = l.description.kind == layer_kind::linear ? detail::leading_rows(a) : a.extent(0);
             l.captured_rows = (passes_ == 0 ? scalar_type(0) : l.captured_rows) + static_cast<scalar_type>(rows);
+            const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
+            // Cost ∝ rows of the product × n²: the input elements stand in for rows × n.
+            tasks.push_back({static_cast<double>(a.size()) * n_a, [&l, a, beta, this] {
+                                 Backend::accumulate_a_statistic(l.a_sum, l.description, a, options_.conv_patches,
+                                                                 beta, l.backend_ws);
+                             }});
+            tasks.push_back({static_cast<double>(g.size()) * n_g, [&l, g, beta] {
+                                 typename Backend::workspace unused;
+                                 Backend::accumulate_g_statistic(l.g_sum, l.description, g, beta, unused);
+                             }});
         }
+        detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
         ++passes_;
     }
 
@@ -452,15 +464,32 @@ private:
     }
 
     void update_second_order(std::int64_t k, double damping) {
-        for (auto& l : layers_) {
+        // Decompose every factor this rank owns as independent tasks, then apply the results
+        // and share them in layer order (every rank issues the broadcasts in that order).
+        struct result {
+            typename method::factor_data a, g;
+            bool ok_a = true, ok_g = true;
+        };
+        std::vector<result> results(layers_.size());
+        std::vector<detail::task> tasks;
+        for (std::size_t i = 0; i < layers_.size(); ++i) {
+            auto& l = layers_[i];
+            auto& r = results[i];
+            const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
+            if (l.plan.computes_a)
+                tasks.push_back({n_a * n_a * n_a, [&l, &r, damping] { r.ok_a = method::compute_factor(l.a_factor, damping, r.a); }});
+            if (l.plan.computes_g)
+                tasks.push_back({n_g * n_g * n_g, [&l, &r, damping] { r.ok_g = method::compute_factor(l.g_factor, damping, r.g); }});
+        }
+        detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
+        for (std::size_t i = 0; i < layers_.size(); ++i) {
+            auto& l = layers_[i];
+            auto& r = results[i];
             const auto& p = l.plan;
             if (p.computes_a || p.computes_g) {
-                typename method::factor_data a, g;
-                const bool ok = (!p.computes_a || method::compute_factor(l.a_factor, damping, a)) &&
-                                (!p.computes_g || method::compute_factor(l.g_factor, damping, g));
-                if (ok) {
-                    if (p.computes_a) l.second.a = std::move(a);
-                    if (p.computes_g) l.second.g = std::move(g);
+                if (r.ok_a && r.ok_g) {
+                    if (p.computes_a) l.second.a = std::move(r.a);
+                    if (p.computes_g) l.second.g = std::move(r.g);
                     if (p.computes_a && p.computes_g) method::finalize_layer(l.second, damping, options_);
                     l.has_second = true;
                 } else {
@@ -490,22 +519,28 @@ private:
         if (kl_clip && !(*kl_clip > 0.0))
             throw error("options.kl_clip evaluated to " + std::to_string(*kl_clip) + " at step " +
                         std::to_string(k) + "; it must be > 0 or std::nullopt");
+        std::vector<detail::task> tasks;
         for (auto& l : layers_) {
-            Backend::load_gradient(l.gamma, as_const(l.weight_gradient(l.layer)), as_const(l.bias_gradient(l.layer)));
-            if (l.plan.grad_worker) {
-                if (!Backend::all_finite(l.gamma))
-                    l.preconditioned = Backend::zeros(l.description.g_dim(), l.description.a_dim());
-                else if (l.has_second)
-                    method::precondition(l.second, l.gamma, damping, options_, l.method_ws, l.preconditioned);
-                else
-                    l.preconditioned = l.gamma;  // no second-order data yet: plain SGD
-            } else {
-                l.preconditioned.resize(l.description.g_dim(), l.description.a_dim());
-            }
+            const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
+            tasks.push_back({n_a * n_g * (n_a + n_g), [&l, damping, this] {
+                                 Backend::load_gradient(l.gamma, as_const(l.weight_gradient(l.layer)),
+                                                        as_const(l.bias_gradient(l.layer)));
+                                 if (!l.plan.grad_worker)
+                                     l.preconditioned.resize(l.description.a_dim(), l.description.g_dim());
+                                 else if (!Backend::all_finite(l.gamma))
+                                     l.preconditioned = Backend::zeros(l.description.a_dim(), l.description.g_dim());
+                                 else if (l.has_second)
+                                     method::precondition(l.second, l.gamma, damping, options_, l.method_ws,
+                                                          l.preconditioned);
+                                 else
+                                     l.preconditioned = l.gamma;  // no second-order data yet: plain SGD
+                             }});
+        }
+        detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
+        for (auto& l : layers_)
             if (l.plan.share_gradient)
                 comm_.broadcast(l.preconditioned.data(), static_cast<std::size_t>(l.preconditioned.size()),
                                 l.plan.grad_root, gradient_group_);
-        }
         comm_.wait();
         double vg_sum = 0.0;
         for (auto& l : layers_) {
@@ -513,7 +548,7 @@ private:
             // reaches the same verdict.
             l.usable = Backend::all_finite(l.gamma) && Backend::all_finite(l.preconditioned);
             if (!l.usable) {
-                l.preconditioned = Backend::zeros(l.description.g_dim(), l.description.a_dim());
+                l.preconditioned = Backend::zeros(l.description.a_dim(), l.description.g_dim());
                 ++health_.zeroed_gradients;
                 report(l, non_finite_source::gradient, k);
                 continue;
@@ -547,6 +582,7 @@ private:
     std::function<void(const non_finite_event&)> on_non_finite_;
     group column_group_{};
     group gradient_group_{};
+    int threads_ = 1;
 };
 
 }  // namespace kfac

@@ -13,9 +13,10 @@
 ///   static bool compute_factor(const matrix& F, double damping, factor_data& out);
 ///   // Per-layer extras once both factors are current (e.g. the eigenvalue outer product).
 ///   static void finalize_layer(layer_data&, double damping, const options&);
-///   // P = preconditioned Γ (G_dim × A_dim) with the damping of this step.
-///   static void precondition(const layer_data&, const matrix& gamma, double damping,
-///                            const options&, workspace&, matrix& P);
+///   // Pᵀ from Γᵀ (both A_dim × G_dim: the backend keeps gradients transposed) with the
+///   // damping of this step.
+///   static void precondition(const layer_data&, const matrix& gamma_t, double damping,
+///                            const options&, workspace&, matrix& p_t);
 ///   // Distribution: the buffers that carry one side ('A' or 'G') of a layer's data from the
 ///   // rank that computed it to the others, in a fixed order; f(scalar* data, size_t count).
 ///   template <class F> static void for_each_payload(layer_data&, char side, F&& f);
@@ -55,7 +56,7 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     };
     struct layer_data {
         factor_data a, g;
-        matrix inverse_eigen_product;  ///< D = 1/(λ_G λ_Aᵀ + γ), when precomputed
+        matrix inverse_eigen_product;  ///< Dᵀ = 1/(λ_A λ_Gᵀ + γ) (A_dim × G_dim), when precomputed
         bool has_product = false;
     };
     struct workspace {
@@ -77,7 +78,7 @@ struct compute_impl<compute::eigendecomposition, Backend> {
             return;
         }
         l.inverse_eigen_product =
-            ((l.g.lambda * l.a.lambda.transpose()).array() + static_cast<scalar>(damping)).inverse().matrix();
+            ((l.a.lambda * l.g.lambda.transpose()).array() + static_cast<scalar>(damping)).inverse().matrix();
     }
 
     /// A side: Q_A, then λ_A unless D is precomputed. G side: Q_G, then D or λ_G.
@@ -100,7 +101,7 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         l.g.q.resize(g_dim, g_dim);
         l.a.lambda.resize(l.has_product ? 0 : a_dim);
         l.g.lambda.resize(l.has_product ? 0 : g_dim);
-        l.inverse_eigen_product.resize(l.has_product ? g_dim : 0, l.has_product ? a_dim : 0);
+        l.inverse_eigen_product.resize(l.has_product ? a_dim : 0, l.has_product ? g_dim : 0);
     }
 
     static void identity_data(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, double damping, const options& o) {
@@ -111,16 +112,18 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         finalize_layer(l, damping, o);
     }
 
-    static void precondition(const layer_data& l, const matrix& gamma, double damping,
-                             const options&, workspace& w, matrix& P) {
-        Backend::multiply(l.g.q, true, gamma, false, w.t1);  // Q_Gᵀ Γ
-        Backend::multiply(w.t1, false, l.a.q, false, w.t2);  // (Q_Gᵀ Γ) Q_A
+    /// On transposes (gamma_t = Γᵀ, P_t = Pᵀ), so the host's row-major Γ needs no copy-transpose:
+    /// Vᵀ = Q_Aᵀ Γᵀ Q_G, V'ᵀ = Vᵀ ⊘ (λ_A λ_Gᵀ + γ), Pᵀ = Q_A V'ᵀ Q_Gᵀ.
+    static void precondition(const layer_data& l, const matrix& gamma_t, double damping,
+                             const options&, workspace& w, matrix& p_t) {
+        Backend::multiply(l.a.q, true, gamma_t, false, w.t1);  // Q_Aᵀ Γᵀ
+        Backend::multiply(w.t1, false, l.g.q, false, w.t2);    // (Q_Aᵀ Γᵀ) Q_G
         if (l.has_product)
             w.t2.array() *= l.inverse_eigen_product.array();
         else
-            w.t2.array() /= ((l.g.lambda * l.a.lambda.transpose()).array() + static_cast<scalar>(damping));
-        Backend::multiply(l.g.q, false, w.t2, false, w.t1);  // Q_G V'
-        Backend::multiply(w.t1, false, l.a.q, true, P);      // (Q_G V') Q_Aᵀ
+            w.t2.array() /= ((l.a.lambda * l.g.lambda.transpose()).array() + static_cast<scalar>(damping));
+        Backend::multiply(l.a.q, false, w.t2, false, w.t1);  // Q_A V'ᵀ
+        Backend::multiply(w.t1, false, l.g.q, true, p_t);    // (Q_A V'ᵀ) Q_Gᵀ
     }
 };
 

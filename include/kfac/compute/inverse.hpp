@@ -61,10 +61,11 @@ struct compute_impl<compute::inverse, Backend> {
         l.g.inverse = matrix::Identity(g_dim, g_dim) / static_cast<scalar>(1.0 + damping);
     }
 
-    static void precondition(const layer_data& l, const matrix& gamma, double, const options&,
-                             workspace& w, matrix& P) {
-        Backend::multiply(l.g.inverse, false, gamma, false, w.t1);  // G⁻ Γ
-        Backend::multiply(w.t1, false, l.a.inverse, false, P);      // (G⁻ Γ) A⁻
+    /// On transposes: Pᵀ = A⁻ Γᵀ G⁻ (both inverses are symmetric).
+    static void precondition(const layer_data& l, const matrix& gamma_t, double, const options&,
+                             workspace& w, matrix& p_t) {
+        Backend::multiply(l.a.inverse, false, gamma_t, false, w.t1);  // A⁻ Γᵀ
+        Backend::multiply(w.t1, false, l.g.inverse, false, p_t);      // (A⁻ Γᵀ) G⁻
     }
 };
 

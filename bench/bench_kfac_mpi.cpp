@@ -1,0 +1,218 @@
+// SPDX-License-Identifier: Apache-2.0
+/// @file bench_kfac_mpi.cpp
+/// K-FAC step time under MPI for every distribution strategy valid at the world size:
+///
+///   mpiexec -n W bench_kfac_mpi --model bench/models/resnet32_cifar10.txt
+///           [--batch B (global, split evenly)] [--method eigen|inverse] [--iterations N]
+///
+/// For each strategy: the median over N steps of the slowest rank's time (MPI_Wtime between
+/// barriers) for an update step (factor_update_steps = inv_update_steps = 1) and for a
+/// non-update step. float32, random activations and gradients of each layer's shapes. Rank 0
+/// prints one JSON object per line; kfac_schedule_study --measured reads them. A first line
+/// ("calibration") measures the machine at this world size for the study's cost model.
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <kfac/comm/mpi.hpp>
+#include <kfac/kfac.hpp>
+
+#include "model_file.hpp"
+
+namespace {
+
+struct layer_buffers {
+    kfac::layer_view<float> view;
+    std::vector<float> input, grad_output, grad_weight, grad_bias, saved_weight, saved_bias;
+};
+
+std::vector<layer_buffers> make_buffers(const kfac_bench::model& m, std::int64_t local_batch, unsigned seed) {
+    std::mt19937 gen(seed);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    auto fill = [&](std::vector<float>& v, std::size_t n, float scale) {
+        v.resize(n);
+        for (auto& x : v) x = scale * dist(gen);
+    };
+    std::vector<layer_buffers> out(m.layers.size());
+    for (std::size_t i = 0; i < m.layers.size(); ++i) {
+        const auto& l = m.layers[i];
+        const auto& d = l.description;
+        auto& b = out[i];
+        b.view.description = d;
+        const float g_scale = 1.0f / static_cast<float>(local_batch);
+        if (d.kind == kfac::layer_kind::conv2d) {
+            const auto ho = kfac::conv_output_extent(l.height, d.conv.kernel[0], d.conv.stride[0], d.conv.padding[0], 1);
+            const auto wo = kfac::conv_output_extent(l.width, d.conv.kernel[1], d.conv.stride[1], d.conv.padding[1], 1);
+            fill(b.input, static_cast<std::size_t>(local_batch * d.in * l.height * l.width), 1.0f);
+            fill(b.grad_output, static_cast<std::size_t>(local_batch * d.out * ho * wo), g_scale);
+            b.view.input = kfac::tensor_view<const float>(b.input.data(), {local_batch, d.in, l.height, l.width});
+            b.view.grad_output = kfac::tensor_view<const float>(b.grad_output.data(), {local_batch, d.out, ho, wo});
+        } else {
+            const auto rows = local_batch * l.rows_per_sample;
+            fill(b.input, static_cast<std::size_t>(rows * d.in), 1.0f);
+            fill(b.grad_output, static_cast<std::size_t>(rows * d.out), g_scale);
+            b.view.input = kfac::tensor_view<const float>(b.input.data(), {rows, d.in});
+            b.view.grad_output = kfac::tensor_view<const float>(b.grad_output.data(), {rows, d.out});
+        }
+        fill(b.saved_weight, static_cast<std::size_t>(d.out * d.weight_columns()), 0.01f);
+        fill(b.saved_bias, static_cast<std::size_t>(d.bias ? d.out : 0), 0.01f);
+        // Gradients are data-parallel averages: the same on every rank.
+        b.grad_weight = b.saved_weight;
+        b.grad_bias = b.saved_bias;
+        if (d.kind == kfac::layer_kind::conv2d)
+            b.view.grad_weight = kfac::tensor_view<float>(b.grad_weight.data(), {d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});
+        else
+            b.view.grad_weight = kfac::tensor_view<float>(b.grad_weight.data(), {d.out, d.in});
+        b.view.grad_bias = d.bias ? kfac::tensor_view<float>(b.grad_bias.data(), {d.out}) : kfac::tensor_view<float>{};
+    }
+    return out;
+}
+
+template <class Method>
+double median_step_ms(const kfac_bench::model& m, std::int64_t local_batch, kfac::options o, int iterations,
+                      bool update) {
+    auto buffers = make_buffers(m, local_batch, 1234);
+    if (!update) o.factor_update_steps = o.inv_update_steps = std::int64_t{1000000};
+    kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::mpi, Method> p(o, kfac::comm::mpi(MPI_COMM_WORLD));
+    for (std::size_t i = 0; i < buffers.size(); ++i) p.register_layer(m.layers[i].name, buffers[i].view);
+    auto restore = [&] {
+        for (auto& b : buffers) {
+            std::copy(b.saved_weight.begin(), b.saved_weight.end(), b.grad_weight.begin());
+            std::copy(b.saved_bias.begin(), b.saved_bias.end(), b.grad_bias.begin());
+        }
+    };
+    restore();
+    p.step();  // warm-up: allocations, first decompositions
+    std::vector<double> times;
+    for (int it = 0; it < iterations; ++it) {
+        restore();
+        MPI_Barrier(MPI_COMM_WORLD);
+        const double t0 = MPI_Wtime();
+        p.step();
+        double mine = MPI_Wtime() - t0, slowest = 0.0;
+        MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        times.push_back(slowest * 1e3);
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+}
+
+/// What this machine does to W ranks, measured with every rank busy at once (no K-FAC
+/// step involved): the time of a fixed single-threaded SYRK (its ratio to W = 1 is the
+/// compute slowdown of sharing the cores), the per-message time of a batch of small
+/// non-blocking broadcasts, and the bandwidth of a large allreduce.
+struct machine_calibration {
+    double kernel_ms = 0, message_s = 0, allreduce_bytes_per_s = 0;
+};
+
+template <class F>
+double slowest_median_s(F&& f, int reps) {
+    std::vector<double> t;
+    for (int r = 0; r < reps; ++r) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        const double t0 = MPI_Wtime();
+        f();
+        double mine = MPI_Wtime() - t0, slowest = 0;
+        MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        t.push_back(slowest);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+machine_calibration calibrate(int world) {
+    using backend = kfac::backend::cpu_eigen<float>;
+    machine_calibration c;
+    const std::int64_t n = 288, rows = 8192;
+    std::vector<float> x(static_cast<std::size_t>(n * rows), 0.5f);
+    backend::matrix sum(n, n);
+    {
+        const backend::serial_blas_scope one_thread;
+        c.kernel_ms = 1e3 * slowest_median_s([&] { backend::gram_of_cols(sum.data(), n, x.data(), n, rows, rows, 1.0f, 0.0f); }, 5);
+    }
+    if (world == 1) return c;
+    constexpr int messages = 32;
+    std::vector<float> small(static_cast<std::size_t>(256 * messages));
+    std::vector<MPI_Request> req(messages);
+    c.message_s = slowest_median_s([&] {
+        for (int m = 0; m < messages; ++m)
+            MPI_Ibcast(small.data() + 256 * m, 256, MPI_FLOAT, m % world, MPI_COMM_WORLD, &req[static_cast<std::size_t>(m)]);
+        MPI_Waitall(messages, req.data(), MPI_STATUSES_IGNORE);
+    }, 9) / messages;
+    std::vector<float> big(static_cast<std::size_t>(4) << 20, 1.0f);  // 16 MiB
+    const double t = slowest_median_s([&] {
+        MPI_Allreduce(MPI_IN_PLACE, big.data(), static_cast<int>(big.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    }, 5);
+    c.allreduce_bytes_per_s = static_cast<double>(big.size() * sizeof(float)) / t;
+    return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    MPI_Init(&argc, &argv);
+    int rank = 0, world = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    std::string model_path, method = "eigen";
+    std::int64_t batch = 0;
+    int iterations = 3;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const std::string arg = argv[i], value = argv[i + 1];
+        if (arg == "--model") model_path = value;
+        else if (arg == "--batch") batch = std::stoll(value);
+        else if (arg == "--method") method = value;
+        else if (arg == "--iterations") iterations = std::stoi(value);
+    }
+    int status = 0;
+    try {
+        if (model_path.empty()) throw kfac::error("usage: bench_kfac_mpi --model FILE [--batch B] [--method eigen|inverse] [--iterations N]");
+        const auto m = kfac_bench::read_model(model_path);
+        if (batch == 0) batch = m.batch;
+        const std::int64_t local_batch = std::max<std::int64_t>(1, batch / world);
+        const auto machine = calibrate(world);
+        if (rank == 0)
+            std::printf("{\"calibration\": true, \"world\": %d, \"kernel_ms\": %.4f, \"message_s\": %.4e, "
+                        "\"allreduce_bytes_per_s\": %.4e}\n",
+                        world, machine.kernel_ms, machine.message_s, machine.allreduce_bytes_per_s);
+        struct strategy {
+            const char* name;
+            kfac::distribution kind;
+            double fraction;
+        };
+        for (const strategy s : {strategy{"comm_opt", kfac::distribution::kaisa, kfac::comm_opt},
+                                 strategy{"hybrid_opt", kfac::distribution::kaisa, kfac::hybrid_opt},
+                                 strategy{"mem_opt", kfac::distribution::kaisa, kfac::mem_opt},
+                                 strategy{"dp_kfac", kfac::distribution::dp_kfac, 1.0}}) {
+            if (s.kind == kfac::distribution::kaisa &&
+                kfac::assignment::kaisa_grid(world, s.fraction).strategy_name() != std::string(s.name))
+                continue;  // duplicate of another strategy at this world size
+            if (std::string(s.name) == "hybrid_opt" && world % 2 != 0) continue;
+            kfac::options o;
+            o.strategy = s.kind;
+            o.grad_worker_fraction = s.fraction;
+            o.damping = 0.003;
+            const bool eigen = method == "eigen";
+            const double update = eigen ? median_step_ms<kfac::compute::eigendecomposition>(m, local_batch, o, iterations, true)
+                                        : median_step_ms<kfac::compute::inverse>(m, local_batch, o, iterations, true);
+            const double plain = eigen ? median_step_ms<kfac::compute::eigendecomposition>(m, local_batch, o, iterations, false)
+                                       : median_step_ms<kfac::compute::inverse>(m, local_batch, o, iterations, false);
+            if (rank == 0)
+                std::printf("{\"model\": \"%s\", \"world\": %d, \"strategy\": \"%s\", \"method\": \"%s\", "
+                            "\"global_batch\": %lld, \"update_ms\": %.3f, \"non_update_ms\": %.3f}\n",
+                            model_path.substr(model_path.find_last_of('/') + 1).c_str(), world, s.name,
+                            method.c_str(), static_cast<long long>(batch), update, plain);
+            std::fflush(stdout);
+        }
+    } catch (const std::exception& e) {
+        if (rank == 0) std::fprintf(stderr, "bench_kfac_mpi: %s\n", e.what());
+        status = 1;
+    }
+    MPI_Finalize();
+    return status;
+}
