@@ -21,7 +21,8 @@
 /// Activations and output gradients are random (fixed seed), output gradients scaled by
 /// 1/batch as a mean loss makes them. step() overwrites the weight and bias gradients, so they
 /// are restored from a saved copy before every step, outside the timed region (manual timing).
-/// Times are wall-clock; run with OPENBLAS_NUM_THREADS=1 or 2.
+/// Times are wall-clock; run with OPENBLAS_NUM_THREADS=1 or 2 (the preconditioner also takes
+/// its task-thread count from it). The phases run layer after layer, never as tasks.
 
 #include <benchmark/benchmark.h>
 

@@ -75,7 +75,7 @@ void run_tasks(std::vector<task>& tasks, int threads) {
         }
     };
     {
-        const Scope single_threaded_blas;
+        [[maybe_unused]] const Scope single_threaded_blas;  // empty without LAPACK
         const std::size_t helpers = std::min<std::size_t>(static_cast<std::size_t>(threads), tasks.size()) - 1;
         std::vector<std::thread> pool;
         pool.reserve(helpers);

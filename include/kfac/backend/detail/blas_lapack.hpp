@@ -10,7 +10,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
+#include <type_traits>
 
 #include <cblas.h>
 #include <lapacke.h>
@@ -60,9 +61,11 @@ int syevd(blas_int n, T* a, blas_int lda, T* w) {
     const auto lwork = static_cast<blas_int>(
         std::max<std::int64_t>(static_cast<std::int64_t>(work_query) + 1, 1 + 6 * nn + 2 * nn * nn));
     const auto liwork = std::max<blas_int>(iwork_query, static_cast<blas_int>(3 + 5 * nn));
-    std::vector<T> work(static_cast<std::size_t>(lwork));
-    std::vector<blas_int> iwork(static_cast<std::size_t>(liwork));
-    return call(work.data(), lwork, iwork.data(), liwork);
+    // Default-initialised, not zero-filled: syevd writes its workspace before reading it, and
+    // filling 2n² values is a measurable share of the call for large n.
+    const std::unique_ptr<T[]> work(new T[static_cast<std::size_t>(lwork)]);
+    const std::unique_ptr<blas_int[]> iwork(new blas_int[static_cast<std::size_t>(liwork)]);
+    return call(work.get(), lwork, iwork.get(), liwork);
 }
 
 /// Cholesky factorisation and inverse of an SPD matrix, lower triangle (potrf + potri).
