@@ -189,10 +189,11 @@ int main(int argc, char** argv) {
                                  strategy{"hybrid_opt", kfac::distribution::kaisa, kfac::hybrid_opt},
                                  strategy{"mem_opt", kfac::distribution::kaisa, kfac::mem_opt},
                                  strategy{"dp_kfac", kfac::distribution::dp_kfac, 1.0}}) {
+            // Skip fractions invalid at this size, and those that coincide with another strategy.
             if (s.kind == kfac::distribution::kaisa &&
-                kfac::assignment::kaisa_grid(world, s.fraction).strategy_name() != std::string(s.name))
-                continue;  // duplicate of another strategy at this world size
-            if (std::string(s.name) == "hybrid_opt" && world % 2 != 0) continue;
+                (!kfac::assignment::kaisa_grid::valid(world, s.fraction) ||
+                 kfac::assignment::kaisa_grid(world, s.fraction).strategy_name() != std::string(s.name)))
+                continue;
             kfac::options o;
             o.strategy = s.kind;
             o.grad_worker_fraction = s.fraction;

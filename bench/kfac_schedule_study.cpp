@@ -296,10 +296,8 @@ int main(int argc, char** argv) {
             for (int w : worlds)
                 for (const auto& s : strategies) {
                     if (s.kind == kfac::distribution::kaisa &&
-                        (w % 2 != 0 && s.fraction == kfac::hybrid_opt && w > 1))
-                        continue;
-                    if (s.kind == kfac::distribution::kaisa &&
-                        kfac::assignment::kaisa_grid(w, s.fraction).strategy_name() != s.name)
+                        (!kfac::assignment::kaisa_grid::valid(w, s.fraction) ||
+                         kfac::assignment::kaisa_grid(w, s.fraction).strategy_name() != s.name))
                         continue;
                     rows.push_back(evaluate<kfac::assignment::compute_balanced>(m, name, s, w, c, eigen, b, c.cores));
                     rows.push_back(evaluate<kfac::assignment::memory_balanced>(m, name, s, w, c, eigen, b, c.cores));

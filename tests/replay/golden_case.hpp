@@ -15,6 +15,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -45,6 +46,8 @@ struct replay_report {
     std::vector<std::string> problems;        ///< schedule mismatches and the like
     double worst = 0.0;
     double rtol = 0.0;
+    std::string precision;  ///< "float32" or "float64": what the replay computed in
+    std::string strategy;   ///< the preconditioner's strategy_name()
     [[nodiscard]] bool passed() const { return problems.empty() && worst <= rtol; }
 };
 
@@ -81,11 +84,19 @@ public:
         return dtype() == "float64" ? 1e-10 : 1e-5;
     }
 
+    /// s{t}_{layer}_{what}.npy
     [[nodiscard]] fs::path file(std::int64_t step, const std::string& layer, const std::string& what) const {
-        return folder_ / ("s" + std::to_string(step) + "_" + layer + "_" + what + ".npy");
+        return file(step, layer + "_" + what);
     }
+    /// s{t}_{what}.npy. Built by appending: GCC 12 at -O3 warns falsely (-Wrestrict, bug
+    /// 105329) on `"s" + std::to_string(...)`.
     [[nodiscard]] fs::path file(std::int64_t step, const std::string& what) const {
-        return folder_ / ("s" + std::to_string(step) + "_" + what + ".npy");
+        std::string name(1, 's');
+        name += std::to_string(step);
+        name += '_';
+        name += what;
+        name += ".npy";
+        return folder_ / name;
     }
 
     /// Loads an array stored in the case dtype, converted to T.
@@ -208,6 +219,7 @@ replay_report replay_with(const golden_case& c, double rtol, const distributed_s
     const json& hp = meta.at("kfac");
     replay_report report;
     report.rtol = rtol;
+    report.precision = std::is_same_v<Scalar, float> ? "float32" : "float64";
     auto record = [&](const std::string& what, double e) {
         double& m = report.max_error[what];
         m = std::max(m, e);
@@ -224,6 +236,7 @@ replay_report replay_with(const golden_case& c, double rtol, const distributed_s
     if (micro > 1 && world > 1)
         throw kfac::error("replaying accumulation_steps > 1 on several ranks is not supported");
     kfac_type precond(opts, std::move(comm));
+    report.strategy = precond.strategy_name();
 
     std::vector<json> layers_meta;
     for (const auto& name : meta.at("layer_order"))

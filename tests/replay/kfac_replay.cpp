@@ -76,8 +76,6 @@ int run(int argc, char** argv, run_context& ctx) {
     if (folder.empty()) throw kfac::error(std::string("no case folder given\n") + usage);
 
     const kfac_replay::golden_case c(folder);
-    const bool as_float = p == kfac_replay::precision::float32 ||
-                          (p == kfac_replay::precision::case_dtype && c.dtype() == "float32");
 #if KFAC_REPLAY_WITH_MPI
     auto r = kfac_replay::replay<kfac::comm::mpi>(c, p, rtol, setup, [] { return kfac::comm::mpi(MPI_COMM_WORLD); });
     // Maximise every quantity and the problem count over ranks.
@@ -94,18 +92,15 @@ int run(int argc, char** argv, run_context& ctx) {
 #else
     auto r = kfac_replay::replay(c, p, rtol, setup);
 #endif
-    const std::string strategy = setup.strategy == kfac::distribution::dp_kfac
-                                     ? "dp_kfac"
-                                     : kfac::assignment::kaisa_grid(ctx.world, setup.grad_worker_fraction).strategy_name();
     if (ctx.rank != 0) return r.passed() ? 0 : 1;
     std::cout << "case " << c.name() << " (" << c.dtype() << " recording, replayed in "
-              << (as_float ? "float32" : "float64") << ", method "
+              << r.precision << ", method "
               << c.meta().at("kfac").at("compute_method").get<std::string>() << ", assignment "
               << setup.assignment << ", colocate " << (setup.colocate ? "on" : "off") << ")\n";
     for (const auto& [what, e] : r.max_error) std::printf("  %-9s max_rel_err=%.3e\n", what.c_str(), e);
     for (const auto& problem : r.problems) std::cout << "  problem: " << problem << "\n";
     std::printf("max_rel_err=%.3e rtol=%.1e world=%d strategy=%s %s\n", r.worst, r.rtol, ctx.world,
-                strategy.c_str(), r.passed() ? "PASS" : "FAIL");
+                r.strategy.c_str(), r.passed() ? "PASS" : "FAIL");
     std::fflush(stdout);
     return r.passed() ? 0 : 1;
 }

@@ -33,14 +33,19 @@ public:
         if (!(grad_worker_fraction >= 0.0 && grad_worker_fraction <= 1.0))
             throw error("grad_worker_fraction = " + std::to_string(grad_worker_fraction) +
                         " is outside [0, 1]; " + valid_fractions(world_size));
-        const double workers = grad_worker_fraction == 0.0 ? 1.0 : std::max(1.0, world_size * grad_worker_fraction);
-        const double rounded = std::round(workers);
-        if (std::abs(workers - rounded) > 1e-9 * world_size || world_size % static_cast<int>(rounded) != 0)
+        rows_ = grad_workers_for(world_size, grad_worker_fraction);
+        if (rows_ == 0)
             throw error("grad_worker_fraction = " + std::to_string(grad_worker_fraction) + " gives " +
-                        std::to_string(workers) + " gradient workers per layer, which does not divide "
-                        "the world size " + std::to_string(world_size) + "; " + valid_fractions(world_size));
-        rows_ = static_cast<int>(rounded);
+                        std::to_string(std::max(1.0, world_size * grad_worker_fraction)) +
+                        " gradient workers per layer, which does not divide the world size " +
+                        std::to_string(world_size) + "; " + valid_fractions(world_size));
         cols_ = world_size / rows_;
+    }
+
+    /// True when the fraction gives a whole number of gradient workers dividing the world.
+    [[nodiscard]] static bool valid(int world_size, double grad_worker_fraction) {
+        return world_size > 0 && grad_worker_fraction >= 0.0 && grad_worker_fraction <= 1.0 &&
+               grad_workers_for(world_size, grad_worker_fraction) != 0;
     }
 
     /// "valid values at world size 4: 1 (COMM_OPT), 0.5, 0.25 or 0 (MEM_OPT)".
@@ -73,12 +78,6 @@ public:
         for (int i = 0; i < rows_; ++i) r.push_back(i * cols_ + c);
         return r;
     }
-    /// Ranks of row r, ascending.
-    [[nodiscard]] std::vector<int> row(int r) const {
-        std::vector<int> out;
-        for (int j = 0; j < cols_; ++j) out.push_back(r * cols_ + j);
-        return out;
-    }
     /// All columns, in ascending order: the worker groups handed to the assignment.
     [[nodiscard]] std::vector<std::vector<int>> columns_list() const {
         std::vector<std::vector<int>> out;
@@ -97,6 +96,15 @@ public:
     }
 
 private:
+    /// g = max(1, W·f) (f = 0 meaning 1/W), or 0 when it is not an integer dividing W.
+    static int grad_workers_for(int world_size, double fraction) {
+        const double workers = fraction == 0.0 ? 1.0 : std::max(1.0, world_size * fraction);
+        const double rounded = std::round(workers);
+        if (std::abs(workers - rounded) > 1e-9 * world_size) return 0;
+        const int g = static_cast<int>(rounded);
+        return world_size % g == 0 ? g : 0;
+    }
+
     int world_ = 1;
     int rows_ = 1;
     int cols_ = 1;
