@@ -104,10 +104,12 @@ double median_step_ms(const kfac_bench::model& m, std::int64_t local_batch, kfac
 
 /// What this machine does to W ranks, measured with every rank busy at once (no K-FAC
 /// step involved): the time of a fixed single-threaded SYRK (its ratio to W = 1 is the
-/// compute slowdown of sharing the cores), the per-message time of a batch of small
-/// non-blocking broadcasts, and the bandwidth of a large allreduce.
+/// compute slowdown of sharing the cores) and of a GEMM of a preconditioning shape (a
+/// 576 × 576 eigenbasis times a 576 × 64 gradient), the per-message time of a batch of
+/// small non-blocking broadcasts, and the bandwidth of a large allreduce. Measured in the
+/// same run as the steps, so the study's rates describe the machine as the steps saw it.
 struct machine_calibration {
-    double kernel_ms = 0, message_s = 0, allreduce_bytes_per_s = 0;
+    double kernel_ms = 0, gemm_ms = 0, message_s = 0, allreduce_bytes_per_s = 0, broadcast_bytes_per_s = 0;
 };
 
 template <class F>
@@ -134,6 +136,9 @@ machine_calibration calibrate(int world) {
     {
         const backend::serial_blas_scope one_thread;
         c.kernel_ms = 1e3 * slowest_median_s([&] { backend::gram_of_cols(sum.data(), n, x.data(), n, rows, rows, 1.0f, 0.0f); }, 5);
+        const backend::matrix q = backend::matrix::Random(576, 576), gamma = backend::matrix::Random(576, 64);
+        backend::matrix out;
+        c.gemm_ms = 1e3 * slowest_median_s([&] { backend::multiply(q, true, gamma, false, out); }, 9);
     }
     if (world == 1) return c;
     constexpr int messages = 32;
@@ -149,6 +154,16 @@ machine_calibration calibrate(int world) {
         MPI_Allreduce(MPI_IN_PLACE, big.data(), static_cast<int>(big.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
     }, 5);
     c.allreduce_bytes_per_s = static_cast<double>(big.size() * sizeof(float)) / t;
+    // Large non-blocking broadcasts, as the second-order data and preconditioned gradients
+    // travel: 32 messages of 128 KiB from rotating roots, then one wait.
+    std::vector<float> payload(static_cast<std::size_t>(32) << 15);
+    const double tb = slowest_median_s([&] {
+        for (int m = 0; m < messages; ++m)
+            MPI_Ibcast(payload.data() + (std::size_t{1} << 15) * static_cast<std::size_t>(m), 1 << 15, MPI_FLOAT,
+                       m % world, MPI_COMM_WORLD, &req[static_cast<std::size_t>(m)]);
+        MPI_Waitall(messages, req.data(), MPI_STATUSES_IGNORE);
+    }, 5);
+    c.broadcast_bytes_per_s = static_cast<double>(payload.size() * sizeof(float)) / tb;
     return c;
 }
 
@@ -177,9 +192,10 @@ int main(int argc, char** argv) {
         const std::int64_t local_batch = std::max<std::int64_t>(1, batch / world);
         const auto machine = calibrate(world);
         if (rank == 0)
-            std::printf("{\"calibration\": true, \"world\": %d, \"kernel_ms\": %.4f, \"message_s\": %.4e, "
-                        "\"allreduce_bytes_per_s\": %.4e}\n",
-                        world, machine.kernel_ms, machine.message_s, machine.allreduce_bytes_per_s);
+            std::printf("{\"calibration\": true, \"world\": %d, \"kernel_ms\": %.4f, \"gemm_ms\": %.4f, "
+                        "\"message_s\": %.4e, \"allreduce_bytes_per_s\": %.4e, \"broadcast_bytes_per_s\": %.4e}\n",
+                        world, machine.kernel_ms, machine.gemm_ms, machine.message_s, machine.allreduce_bytes_per_s,
+                        machine.broadcast_bytes_per_s);
         struct strategy {
             const char* name;
             kfac::distribution kind;
@@ -205,9 +221,10 @@ int main(int argc, char** argv) {
                                        : median_step_ms<kfac::compute::inverse>(m, local_batch, o, iterations, false);
             if (rank == 0)
                 std::printf("{\"model\": \"%s\", \"world\": %d, \"strategy\": \"%s\", \"method\": \"%s\", "
-                            "\"global_batch\": %lld, \"update_ms\": %.3f, \"non_update_ms\": %.3f}\n",
+                            "\"global_batch\": %lld, \"threads\": %d, \"update_ms\": %.3f, \"non_update_ms\": %.3f}\n",
                             model_path.substr(model_path.find_last_of('/') + 1).c_str(), world, s.name,
-                            method.c_str(), static_cast<long long>(batch), update, plain);
+                            method.c_str(), static_cast<long long>(batch), kfac::detail::default_thread_count(world),
+                            update, plain);
             std::fflush(stdout);
         }
     } catch (const std::exception& e) {

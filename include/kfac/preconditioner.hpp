@@ -22,6 +22,7 @@
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/detail/digest.hpp"
 #include "kfac/detail/task_parallel.hpp"
+#include "kfac/detail/host_staging.hpp"
 #include "kfac/detail/layer_checks.hpp"
 #include "kfac/fwd.hpp"
 #include "kfac/layers/layer_traits.hpp"
@@ -85,8 +86,8 @@ public:
             using traits = layer_traits<Layer>;
             static_assert(std::is_same_v<typename traits::scalar_type, scalar_type>,
                           "kfac: the layer's layer_traits<Layer>::scalar_type differs from the "
-                          "backend's scalar type; use kfac::backend::cpu_eigen<double> for double "
-                          "layers and cpu_eigen<float> for float ones.");
+                          "backend's scalar type; use a double backend (cpu_eigen<double>, cuda<double>) "
+                          "for double layers and a float one for float layers.");
             if (steps_ > 0 || started_)
                 throw error("layer '" + name + "': register_layer() after the first accumulate() "
                             "or step(); register every layer before training starts");
@@ -231,7 +232,7 @@ private:
 
         matrix a_factor, g_factor;  // running averages
         matrix a_sum, g_sum;        // this step's batch statistics (lower triangles)
-        typename Backend::workspace backend_ws{};
+        typename Backend::workspace backend_ws{}, g_ws{};  // scratch of the A and G statistics
         typename method::layer_data second{};
         bool has_second = false;
         typename method::workspace method_ws{};
@@ -290,6 +291,21 @@ private:
         if (auto agreed = comm_.agree(failure)) throw error(*agreed);
     }
 
+    /// Runs backend work of one layer; a backend failure (a CUDA status, say) is rethrown
+    /// with the layer named, since the backend itself sees matrices, not layers.
+    template <class F>
+    static void in_layer(const layer_record& l, F&& f) {
+        try {
+            f();
+        } catch (const error& e) {
+            const std::string what = strip_prefix(e.what());
+            if (what.rfind("layer '", 0) == 0) throw;
+            throw error(detail::describe_layer(l.name, l.description) + ": " + what);
+        }
+    }
+
+    static constexpr bool device_backend = detail::device_resident<Backend>;
+
     static std::string strip_prefix(const std::string& what) {
         return what.rfind("kfac: ", 0) == 0 ? what.substr(6) : what;
     }
@@ -298,13 +314,13 @@ private:
         for (const auto& l : layers_)
             if (l.plan.holds_factors)
                 detail::check_statistics_views(l.name, l.description, l.activations(l.layer),
-                                               l.output_gradients(l.layer), steps_);
+                                               l.output_gradients(l.layer), steps_, device_backend);
     }
 
     void check_gradients() const {
         for (const auto& l : layers_)
             detail::check_gradient_views(l.name, l.description, l.weight_gradient(l.layer),
-                                         l.bias_gradient(l.layer));
+                                         l.bias_gradient(l.layer), device_backend);
     }
 
     [[nodiscard]] std::uint64_t configuration_digest() const {
@@ -331,6 +347,7 @@ private:
     void setup() {
         if (started_) return;
         threads_ = options_.threads > 0 ? options_.threads : detail::default_thread_count(comm_.size());
+        if constexpr (device_backend) threads_ = 1;  // a device backend queues from one host thread
         const auto digests = comm_.allgather(configuration_digest());
         for (std::size_t r = 1; r < digests.size(); ++r)
             if (digests[r] != digests[0])
@@ -408,12 +425,15 @@ private:
             const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
             // Cost ∝ rows of the product × n²: the input elements stand in for rows × n.
             tasks.push_back({static_cast<double>(a.size()) * n_a, [&l, a, beta, this] {
-                                 Backend::accumulate_a_statistic(l.a_sum, l.description, a, options_.conv_patches,
-                                                                 beta, l.backend_ws);
+                                 in_layer(l, [&] {
+                                     Backend::accumulate_a_statistic(l.a_sum, l.description, a, options_.conv_patches,
+                                                                     beta, l.backend_ws);
+                                 });
                              }});
             tasks.push_back({static_cast<double>(g.size()) * n_g, [&l, g, beta] {
-                                 typename Backend::workspace unused;
-                                 Backend::accumulate_g_statistic(l.g_sum, l.description, g, beta, unused);
+                                 in_layer(l, [&] {
+                                     Backend::accumulate_g_statistic(l.g_sum, l.description, g, beta, l.g_ws);
+                                 });
                              }});
         }
         detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
@@ -439,13 +459,16 @@ private:
                 const auto w = l.captured_rows / static_cast<scalar_type>(passes_);
                 Backend::scale_symmetric(l.a_sum, w);
                 Backend::scale_symmetric(l.g_sum, w);
-                items.push_back({l.a_sum.data(), static_cast<std::size_t>(l.a_sum.size()), true, l.a_sum.rows()});
-                items.push_back({l.g_sum.data(), static_cast<std::size_t>(l.g_sum.size()), true, l.g_sum.rows()});
+                for (matrix* sum : {&l.a_sum, &l.g_sum}) {
+                    const auto n = static_cast<std::size_t>(sum->size());
+                    items.push_back({staging_.stage(sum->data(), n, true, true), n, true, sum->rows()});
+                }
                 weights.push_back(l.captured_rows);
             }
             items.push_back({weights.data(), weights.size(), false, 0});
             const auto cap = static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
             comm_.allreduce_sum(items, cap, options_.symmetry_aware, comm_.world());
+            staging_.complete();
         }
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
@@ -477,9 +500,13 @@ private:
             auto& r = results[i];
             const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
             if (l.plan.computes_a)
-                tasks.push_back({n_a * n_a * n_a, [&l, &r, damping] { r.ok_a = method::compute_factor(l.a_factor, damping, r.a); }});
+                tasks.push_back({n_a * n_a * n_a, [&l, &r, damping] {
+                                     in_layer(l, [&] { r.ok_a = method::compute_factor(l.a_factor, damping, r.a); });
+                                 }});
             if (l.plan.computes_g)
-                tasks.push_back({n_g * n_g * n_g, [&l, &r, damping] { r.ok_g = method::compute_factor(l.g_factor, damping, r.g); }});
+                tasks.push_back({n_g * n_g * n_g, [&l, &r, damping] {
+                                     in_layer(l, [&] { r.ok_g = method::compute_factor(l.g_factor, damping, r.g); });
+                                 }});
         }
         detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
         for (std::size_t i = 0; i < layers_.size(); ++i) {
@@ -503,15 +530,16 @@ private:
             }
             if (p.share_second_order) {
                 method::for_each_payload(l.second, 'A', [&](scalar_type* d, std::size_t n) {
-                    comm_.broadcast(d, n, p.a_root, column_group_);
+                    comm_.broadcast(staging_.stage(d, n, p.computes_a, !p.computes_a), n, p.a_root, column_group_);
                 });
                 method::for_each_payload(l.second, 'G', [&](scalar_type* d, std::size_t n) {
-                    comm_.broadcast(d, n, p.g_root, column_group_);
+                    comm_.broadcast(staging_.stage(d, n, p.computes_g, !p.computes_g), n, p.g_root, column_group_);
                 });
                 l.has_second = true;
             }
         }
         comm_.wait();
+        staging_.complete();
     }
 
     void precondition_all(std::int64_t k, double damping) {
@@ -522,7 +550,7 @@ private:
         std::vector<detail::task> tasks;
         for (auto& l : layers_) {
             const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
-            tasks.push_back({n_a * n_g * (n_a + n_g), [&l, damping, this] {
+            tasks.push_back({n_a * n_g * (n_a + n_g), [&l, damping, this] { in_layer(l, [&] {
                                  Backend::load_gradient(l.gamma, as_const(l.weight_gradient(l.layer)),
                                                         as_const(l.bias_gradient(l.layer)));
                                  if (!l.plan.grad_worker)
@@ -534,14 +562,17 @@ private:
                                                           l.preconditioned);
                                  else
                                      l.preconditioned = l.gamma;  // no second-order data yet: plain SGD
-                             }});
+                             }); }});
         }
         detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
         for (auto& l : layers_)
-            if (l.plan.share_gradient)
-                comm_.broadcast(l.preconditioned.data(), static_cast<std::size_t>(l.preconditioned.size()),
+            if (l.plan.share_gradient) {
+                const auto n = static_cast<std::size_t>(l.preconditioned.size());
+                comm_.broadcast(staging_.stage(l.preconditioned.data(), n, l.plan.grad_worker, !l.plan.grad_worker), n,
                                 l.plan.grad_root, gradient_group_);
+            }
         comm_.wait();
+        staging_.complete();
         double vg_sum = 0.0;
         for (auto& l : layers_) {
             // Γ is the same on every rank and P arrives from one source, so every rank
@@ -566,8 +597,10 @@ private:
         }
         last_kl_scale_ = scale;
         for (auto& l : layers_)
-            Backend::store_gradient(l.preconditioned, static_cast<scalar_type>(scale), l.weight_gradient(l.layer),
-                                    l.bias_gradient(l.layer));
+            in_layer(l, [&] {
+                Backend::store_gradient(l.preconditioned, static_cast<scalar_type>(scale), l.weight_gradient(l.layer),
+                                        l.bias_gradient(l.layer));
+            });
     }
 
     options options_;
@@ -580,6 +613,7 @@ private:
     double last_kl_scale_ = 1.0;
     health_counters health_{};
     std::function<void(const non_finite_event&)> on_non_finite_;
+    detail::host_staging<Backend> staging_{};  // device data through host memory for comm
     group column_group_{};
     group gradient_group_{};
     int threads_ = 1;

@@ -211,10 +211,13 @@ struct step_arrays {
 /// contiguous block of each step's rows while the gradients are the full-batch ones, as
 /// data-parallel training delivers them. KAISA must reproduce the recording on every rank;
 /// DP-KFAC is compared with single-process preconditioners fed each owner's shard.
-template <class Scalar, class Method, class Assignment, class Comm>
+template <template <class> class BackendOf, class Scalar, class Method, class Assignment, class Comm>
 replay_report replay_with(const golden_case& c, double rtol, const distributed_setup& setup, Comm comm) {
-    using kfac_type = kfac::KFAC<kfac::backend::cpu_eigen<Scalar>, Comm, Method, Assignment>;
-    using shard_type = kfac::KFAC<kfac::backend::cpu_eigen<Scalar>, kfac::comm::serial, Method, Assignment>;
+    using backend = BackendOf<Scalar>;
+    using kfac_type = kfac::KFAC<backend, Comm, Method, Assignment>;
+    using shard_type = kfac::KFAC<backend, kfac::comm::serial, Method, Assignment>;
+    // Factors in host memory: the matrix itself for host backends, a copy for device ones.
+    auto host = [](const auto& m) -> decltype(auto) { return backend::to_host(m); };
     const json& meta = c.meta();
     const json& hp = meta.at("kfac");
     replay_report report;
@@ -321,8 +324,8 @@ replay_report replay_with(const golden_case& c, double rtol, const distributed_s
         if (!dp) {
             for (std::size_t i = 0; i < n_layers; ++i) {
                 const std::string name = layers_meta[i].at("name");
-                record("A", relative_error(precond.a_factor(name).data(), c.reference(c.file(t, name, "A"))));
-                record("G", relative_error(precond.g_factor(name).data(), c.reference(c.file(t, name, "G"))));
+                record("A", relative_error(host(precond.a_factor(name)).data(), c.reference(c.file(t, name, "A"))));
+                record("G", relative_error(host(precond.g_factor(name)).data(), c.reference(c.file(t, name, "G"))));
                 record("pgrad_w", relative_error(x.gw[i].data(), c.reference(c.file(t, name, "pgrad_w"))));
                 if (views[i].description.bias)
                     record("pgrad_b", relative_error(x.gb[i].data(), c.reference(c.file(t, name, "pgrad_b"))));
@@ -357,8 +360,10 @@ replay_report replay_with(const golden_case& c, double rtol, const distributed_s
                 vg += static_cast<double>(expected[i]->gb[i].data()[e]) * static_cast<double>(raw.gb[i].data()[e]);
             if (owner == rank) {
                 const auto& sh = *shards[static_cast<std::size_t>(owner)];
-                record("A", relative_error(precond.a_factor(name).data(), sh.a_factor(name).data(), sh.a_factor(name).size()));
-                record("G", relative_error(precond.g_factor(name).data(), sh.g_factor(name).data(), sh.g_factor(name).size()));
+                const auto& a_ref = host(sh.a_factor(name));
+                const auto& g_ref = host(sh.g_factor(name));
+                record("A", relative_error(host(precond.a_factor(name)).data(), a_ref.data(), static_cast<std::size_t>(a_ref.size())));
+                record("G", relative_error(host(precond.g_factor(name)).data(), g_ref.data(), static_cast<std::size_t>(g_ref.size())));
             }
         }
         double nu = 1.0;
@@ -385,7 +390,8 @@ enum class precision { case_dtype, float64, float32 };
 /// Replays a case: compute method from case.json, precision as asked (by default the case's
 /// dtype), tolerance `rtol` or, when absent, the case's, or float_replay_rtol when a
 /// float64 recording is replayed in float32.
-template <class Comm = kfac::comm::serial, class MakeComm = Comm (*)()>
+template <class Comm = kfac::comm::serial, template <class> class BackendOf = kfac::backend::cpu_eigen,
+          class MakeComm = Comm (*)()>
 replay_report replay(const golden_case& c, precision p = precision::case_dtype,
                      std::optional<double> rtol = std::nullopt, const distributed_setup& setup = {},
                      MakeComm make_comm = [] { return Comm{}; }) {
@@ -398,11 +404,11 @@ replay_report replay(const golden_case& c, precision p = precision::case_dtype,
         using S = decltype(scalar_tag);
         using M = decltype(method_tag);
         if (setup.assignment == "compute")
-            return replay_with<S, M, kfac::assignment::compute_balanced>(c, tol, setup, make_comm());
+            return replay_with<BackendOf, S, M, kfac::assignment::compute_balanced>(c, tol, setup, make_comm());
         if (setup.assignment == "memory")
-            return replay_with<S, M, kfac::assignment::memory_balanced>(c, tol, setup, make_comm());
+            return replay_with<BackendOf, S, M, kfac::assignment::memory_balanced>(c, tol, setup, make_comm());
         if (setup.assignment == "round_robin")
-            return replay_with<S, M, kfac::assignment::round_robin>(c, tol, setup, make_comm());
+            return replay_with<BackendOf, S, M, kfac::assignment::round_robin>(c, tol, setup, make_comm());
         throw kfac::error("unknown assignment '" + setup.assignment + "' (compute, memory or round_robin)");
     };
     auto with_method = [&](auto scalar_tag) -> replay_report {

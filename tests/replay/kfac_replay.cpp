@@ -5,6 +5,12 @@
 //   kfac_replay CASE_DIR [--float | --double] [--rtol R]
 //               [--strategy kaisa|dp-kfac] [--grad-worker-fraction comm_opt|hybrid_opt|mem_opt|F]
 //               [--assignment compute|memory|round_robin] [--colocate on|off]
+//               [--backend cpu|cuda|staged]
+//
+// --backend: cpu (cpu_eigen, the default); cuda (backend::cuda, in the kfac_replay_cuda
+// build, which exits 77 when no CUDA device is present); staged (a CPU backend that declares
+// its data device-resident, so every collective goes through the host staging of device
+// backends: the MPI tests use it to check that path without a GPU).
 //
 // Under `mpiexec -n W` (when built with MPI) each rank takes its contiguous block of every
 // step's rows; errors are maximised over ranks. Prints the largest error per quantity and
@@ -19,16 +25,27 @@
 
 #include "golden_case.hpp"
 
+#ifndef KFAC_REPLAY_WITH_CUDA
+#define KFAC_REPLAY_WITH_CUDA 0
+#endif
 #if KFAC_REPLAY_WITH_MPI
 #include <kfac/comm/mpi.hpp>
 #endif
+#if KFAC_REPLAY_WITH_CUDA
+#include <kfac/backend/cuda.cuh>
+#endif
+#include "staged_backend.hpp"
+
+/// Exit status that CTest reads as "skipped" (SKIP_RETURN_CODE).
+constexpr int exit_skipped = 77;
 
 namespace {
 
 const char* usage =
     "usage: kfac_replay CASE_DIR [--float | --double] [--rtol R]\n"
     "         [--strategy kaisa|dp-kfac] [--grad-worker-fraction comm_opt|hybrid_opt|mem_opt|F]\n"
-    "         [--assignment compute|memory|round_robin] [--colocate on|off]\n";
+    "         [--assignment compute|memory|round_robin] [--colocate on|off]\n"
+    "         [--backend cpu|cuda|staged]\n";
 
 double parse_fraction(const std::string& s) {
     if (s == "comm_opt") return kfac::comm_opt;
@@ -47,6 +64,7 @@ int run(int argc, char** argv, run_context& ctx) {
     auto p = kfac_replay::precision::case_dtype;
     std::optional<double> rtol;
     kfac_replay::distributed_setup setup;
+    std::string backend = KFAC_REPLAY_WITH_CUDA ? "cuda" : "cpu";
     for (int i = 1; i < argc; ++i) {
         const std::string arg = argv[i];
         auto value = [&]() -> std::string {
@@ -63,6 +81,7 @@ int run(int argc, char** argv, run_context& ctx) {
             else throw kfac::error("--strategy must be kaisa or dp-kfac, not '" + v + "'");
         } else if (arg == "--grad-worker-fraction") setup.grad_worker_fraction = parse_fraction(value());
         else if (arg == "--assignment") setup.assignment = value();
+        else if (arg == "--backend") backend = value();
         else if (arg == "--colocate") {
             const std::string v = value();
             if (v != "on" && v != "off") throw kfac::error("--colocate must be on or off");
@@ -77,7 +96,33 @@ int run(int argc, char** argv, run_context& ctx) {
 
     const kfac_replay::golden_case c(folder);
 #if KFAC_REPLAY_WITH_MPI
-    auto r = kfac_replay::replay<kfac::comm::mpi>(c, p, rtol, setup, [] { return kfac::comm::mpi(MPI_COMM_WORLD); });
+    using comm_type = kfac::comm::mpi;
+    auto make_comm = [] { return kfac::comm::mpi(MPI_COMM_WORLD); };
+#else
+    using comm_type = kfac::comm::serial;
+    auto make_comm = [] { return kfac::comm::serial{}; };
+#endif
+    kfac_replay::replay_report r;
+    if (backend == "cpu") {
+        r = kfac_replay::replay<comm_type, kfac::backend::cpu_eigen>(c, p, rtol, setup, make_comm);
+    } else if (backend == "staged") {
+        r = kfac_replay::replay<comm_type, kfac_replay::staged_backend>(c, p, rtol, setup, make_comm);
+    } else if (backend == "cuda") {
+#if KFAC_REPLAY_WITH_CUDA
+        if (kfac::backend::cuda_device_count() == 0) {
+            if (ctx.rank == 0)
+                std::cout << "SKIPPED: no CUDA device is present (cudaGetDeviceCount reports none); the CUDA "
+                             "backend's golden replay needs a GPU\n";
+            return exit_skipped;
+        }
+        r = kfac_replay::replay<comm_type, kfac::backend::cuda>(c, p, rtol, setup, make_comm);
+#else
+        throw kfac::error("--backend cuda: this kfac_replay was built without CUDA; use kfac_replay_cuda");
+#endif
+    } else {
+        throw kfac::error("--backend must be cpu, cuda or staged, not '" + backend + "'");
+    }
+#if KFAC_REPLAY_WITH_MPI
     // Maximise every quantity and the problem count over ranks.
     const std::vector<std::string> quantities = {"A", "G", "pgrad_w", "pgrad_b", "kl_scale"};
     for (const auto& q : quantities) {
@@ -89,16 +134,16 @@ int run(int argc, char** argv, run_context& ctx) {
     int problems = static_cast<int>(r.problems.size()), all_problems = 0;
     MPI_Allreduce(&problems, &all_problems, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (all_problems > problems) r.problems.push_back("problems on other ranks");
-#else
-    auto r = kfac_replay::replay(c, p, rtol, setup);
 #endif
     if (ctx.rank != 0) return r.passed() ? 0 : 1;
     std::cout << "case " << c.name() << " (" << c.dtype() << " recording, replayed in "
               << r.precision << ", method "
               << c.meta().at("kfac").at("compute_method").get<std::string>() << ", assignment "
-              << setup.assignment << ", colocate " << (setup.colocate ? "on" : "off") << ")\n";
+              << setup.assignment << ", colocate " << (setup.colocate ? "on" : "off") << ", backend " << backend
+              << ")\n";
     for (const auto& [what, e] : r.max_error) std::printf("  %-9s max_rel_err=%.3e\n", what.c_str(), e);
     for (const auto& problem : r.problems) std::cout << "  problem: " << problem << "\n";
+    if (backend == "staged") std::cout << "staged_bytes=" << kfac_replay::staged_bytes().load() << "\n";
     std::printf("max_rel_err=%.3e rtol=%.1e world=%d strategy=%s %s\n", r.worst, r.rtol, ctx.world,
                 r.strategy.c_str(), r.passed() ? "PASS" : "FAIL");
     std::fflush(stdout);

@@ -79,6 +79,25 @@ owned_layer<T> random_linear(std::int64_t rows, std::int64_t in, std::int64_t ou
     return l;
 }
 
+/// A Conv2d layer's buffers filled with seeded values: input [n, c_in, h, w], output
+/// gradients of the convolution's output shape (dilation honoured).
+template <class T>
+owned_layer<T> random_conv(std::int64_t n, std::int64_t c_in, std::int64_t c_out, const kfac::conv2d_geometry& g,
+                           bool bias, std::int64_t h, std::int64_t w, std::uint32_t seed) {
+    owned_layer<T> l;
+    l.view.description = kfac::conv2d_description(c_in, c_out, g, bias);
+    const std::int64_t ho = kfac::conv_output_extent(h, g.kernel[0], g.stride[0], g.padding[0], g.dilation[0]);
+    const std::int64_t wo = kfac::conv_output_extent(w, g.kernel[1], g.stride[1], g.padding[1], g.dilation[1]);
+    l.input = random_vector<T>(static_cast<std::size_t>(n * c_in * h * w), seed);
+    l.grad_output = random_vector<T>(static_cast<std::size_t>(n * c_out * ho * wo), seed + 1, 1.0 / static_cast<double>(n));
+    l.grad_weight = random_vector<T>(static_cast<std::size_t>(c_out * c_in * g.kernel[0] * g.kernel[1]), seed + 2, 0.1);
+    l.grad_bias = random_vector<T>(static_cast<std::size_t>(c_out), seed + 3, 0.1);
+    l.input_shape = {n, c_in, h, w};
+    l.output_shape = {n, c_out, ho, wo};
+    l.bind();
+    return l;
+}
+
 /// Naive direct convolution (zero padding, stride, dilation), NCHW, no bias.
 template <class T>
 std::vector<T> naive_conv2d(const std::vector<T>& x, std::int64_t n, std::int64_t c, std::int64_t h, std::int64_t w,

@@ -35,6 +35,19 @@
 ///   static void store_gradient(const matrix& P_t, scalar_type scale,
 ///                              tensor_view<scalar_type> w, tensor_view<scalar_type> b);
 ///   static double frobenius_dot(const matrix& X, const matrix& Y);  // Σ X∘Y, in double
+///   // Element-wise pieces of the compute methods (kfac/compute/*.hpp):
+///   static vector ones(index n);
+///   static matrix scaled_identity(index n, scalar_type diagonal);
+///   static void clamp_nonnegative(vector& v);                      // v ← max(v, 0)
+///   // D(i, j) = 1 / (a_i·g_j + damping), and V(i, j) /= (a_i·g_j + damping)
+///   static void inverse_eigen_product(const vector& a, const vector& g, scalar_type damping, matrix& D);
+///   static void divide_by_eigen_product(matrix& V, const vector& a, const vector& g, scalar_type damping);
+///   static void multiply_elementwise(matrix& V, const matrix& D);  // V ← V ∘ D
+///   // Where the data lives. Device backends (device_memory = true) also provide
+///   // pinned_buffer, download() and upload() for staging collectives through host memory
+///   // (kfac/detail/host_staging.hpp).
+///   static constexpr bool device_memory;
+///   static host_matrix to_host(const matrix&);   // column-major host copy (or the matrix)
 /// ```
 /// Returning false from symmetric_eigen / damped_inverse means "no usable result"; the
 /// preconditioner then keeps the previous second-order data.
@@ -94,8 +107,28 @@ struct cpu_eigen {
         std::vector<Scalar> patches;
     };
 
+    /// Factors, second-order data and gradients live in host memory.
+    static constexpr bool device_memory = false;
+
     static matrix identity(index n) { return matrix::Identity(n, n); }
     static matrix zeros(index rows, index cols) { return matrix::Zero(rows, cols); }
+    static vector ones(index n) { return vector::Ones(n); }
+    static matrix scaled_identity(index n, Scalar diagonal) {
+        matrix m = matrix::Zero(n, n);
+        m.diagonal().setConstant(diagonal);
+        return m;
+    }
+    /// The matrix itself: it is already in host memory.
+    static const matrix& to_host(const matrix& m) { return m; }
+
+    static void clamp_nonnegative(vector& v) { v = v.cwiseMax(Scalar(0)); }
+    static void inverse_eigen_product(const vector& a, const vector& g, Scalar damping, matrix& d) {
+        d = ((a * g.transpose()).array() + damping).inverse().matrix();
+    }
+    static void divide_by_eigen_product(matrix& v, const vector& a, const vector& g, Scalar damping) {
+        v.array() /= ((a * g.transpose()).array() + damping);
+    }
+    static void multiply_elementwise(matrix& v, const matrix& d) { v.array() *= d.array(); }
 
     using block_map = Eigen::Map<matrix, 0, Eigen::OuterStride<>>;
 

@@ -66,7 +66,7 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     static bool compute_factor(const matrix& F, double /*damping*/, factor_data& out) {
         factor_data next;
         if (!Backend::symmetric_eigen(F, next.q, next.lambda)) return false;
-        next.lambda = next.lambda.cwiseMax(scalar(0));
+        Backend::clamp_nonnegative(next.lambda);
         out = std::move(next);
         return true;
     }
@@ -77,8 +77,7 @@ struct compute_impl<compute::eigendecomposition, Backend> {
             l.inverse_eigen_product.resize(0, 0);
             return;
         }
-        l.inverse_eigen_product =
-            ((l.a.lambda * l.g.lambda.transpose()).array() + static_cast<scalar>(damping)).inverse().matrix();
+        Backend::inverse_eigen_product(l.a.lambda, l.g.lambda, static_cast<scalar>(damping), l.inverse_eigen_product);
     }
 
     /// A side: Q_A, then λ_A unless D is precomputed. G side: Q_G, then D or λ_G.
@@ -105,10 +104,10 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     }
 
     static void identity_data(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, double damping, const options& o) {
-        l.a.q = matrix::Identity(a_dim, a_dim);
-        l.g.q = matrix::Identity(g_dim, g_dim);
-        l.a.lambda = vector::Ones(a_dim);
-        l.g.lambda = vector::Ones(g_dim);
+        l.a.q = Backend::identity(a_dim);
+        l.g.q = Backend::identity(g_dim);
+        l.a.lambda = Backend::ones(a_dim);
+        l.g.lambda = Backend::ones(g_dim);
         finalize_layer(l, damping, o);
     }
 
@@ -119,9 +118,9 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         Backend::multiply(l.a.q, true, gamma_t, false, w.t1);  // Q_Aᵀ Γᵀ
         Backend::multiply(w.t1, false, l.g.q, false, w.t2);    // (Q_Aᵀ Γᵀ) Q_G
         if (l.has_product)
-            w.t2.array() *= l.inverse_eigen_product.array();
+            Backend::multiply_elementwise(w.t2, l.inverse_eigen_product);
         else
-            w.t2.array() /= ((l.a.lambda * l.g.lambda.transpose()).array() + static_cast<scalar>(damping));
+            Backend::divide_by_eigen_product(w.t2, l.a.lambda, l.g.lambda, static_cast<scalar>(damping));
         Backend::multiply(l.a.q, false, w.t2, false, w.t1);  // Q_A V'ᵀ
         Backend::multiply(w.t1, false, l.g.q, true, p_t);    // (Q_A V'ᵀ) Q_Gᵀ
     }

@@ -57,8 +57,10 @@ struct compute_impl<compute::inverse, Backend> {
     }
 
     static void identity_data(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, double damping, const options&) {
-        l.a.inverse = matrix::Identity(a_dim, a_dim) / static_cast<scalar>(1.0 + damping);
-        l.g.inverse = matrix::Identity(g_dim, g_dim) / static_cast<scalar>(1.0 + damping);
+        // (I + γI)⁻¹ = I / (1 + γ): one division, as Identity / (1 + γ) does per element.
+        const scalar diagonal = scalar(1) / static_cast<scalar>(1.0 + damping);
+        l.a.inverse = Backend::scaled_identity(a_dim, diagonal);
+        l.g.inverse = Backend::scaled_identity(g_dim, diagonal);
     }
 
     /// On transposes: Pᵀ = A⁻ Γᵀ G⁻ (both inverses are symmetric).

@@ -51,6 +51,15 @@ inline std::string shape_text(std::initializer_list<std::int64_t> extents) {
     return s;
 }
 
+/// A device view handed to a host backend cannot be read: say which view and what to do.
+template <class T>
+void check_memory_space(const std::string& who, const char* what, const tensor_view<T>& v, bool device_backend) {
+    if (v.empty() || device_backend || v.space == memory_space::host) return;
+    throw error(who + ": the " + what + " view " + v.shape_string() + " points to device memory, but the "
+                "backend works in host memory; use kfac::backend::cuda (kfac/backend/cuda.cuh) or copy the "
+                "buffer to the host");
+}
+
 template <class T>
 std::int64_t leading_rows(const tensor_view<T>& v) {
     return v.rank == 0 ? 0 : v.size() / v.extent(v.rank - 1);
@@ -60,8 +69,10 @@ std::int64_t leading_rows(const tensor_view<T>& v) {
 template <class T>
 void check_statistics_views(const std::string& name, const layer_description& d,
                             const tensor_view<const T>& a, const tensor_view<const T>& g,
-                            std::int64_t step) {
+                            std::int64_t step, bool device_backend = false) {
     const std::string who = describe_layer(name, d);
+    check_memory_space(who, "activations", a, device_backend);
+    check_memory_space(who, "output gradients", g, device_backend);
     if (a.empty())
         throw error(who + ": no activations captured for factor-update step " +
                     std::to_string(step) + "; the adapter's activations() returned an empty "
@@ -105,8 +116,10 @@ void check_statistics_views(const std::string& name, const layer_description& d,
 /// Views of the gradients that step() reads and overwrites.
 template <class T>
 void check_gradient_views(const std::string& name, const layer_description& d,
-                          const tensor_view<T>& w, const tensor_view<T>& b) {
+                          const tensor_view<T>& w, const tensor_view<T>& b, bool device_backend = false) {
     const std::string who = describe_layer(name, d);
+    check_memory_space(who, "weight gradient", w, device_backend);
+    check_memory_space(who, "bias gradient", b, device_backend);
     const bool linear = d.kind == layer_kind::linear;
     const std::string expected = linear ? shape_text({d.out, d.in})
                                         : shape_text({d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file tensor_view.hpp
-/// A non-owning view of a dense, C-order (row-major, contiguous) array in host memory.
+/// A non-owning view of a dense, C-order (row-major, contiguous) array in host or device memory.
 
 #include <array>
 #include <cstddef>
@@ -16,25 +16,38 @@ namespace kfac {
 /// Most dimensions a view may have (a Linear input may carry extra leading dimensions).
 inline constexpr int max_view_rank = 8;
 
-/// Pointer plus extents; the elements are contiguous in C order. `T` may be const.
-/// A default-constructed view is empty (data == nullptr), which means "not available".
+/// Where a view's elements live. Every backend reads host views; device views (a GPU
+/// framework's buffers, used in place without a copy) need a device backend such as
+/// kfac::backend::cuda, and a host backend rejects them with an error naming the layer.
+enum class memory_space { host, device };
+
+[[nodiscard]] constexpr const char* memory_space_name(memory_space m) noexcept {
+    return m == memory_space::host ? "host" : "device";
+}
+
+/// Pointer plus extents and the memory the pointer refers to; the elements are contiguous
+/// in C order. `T` may be const. A default-constructed view is empty (data == nullptr),
+/// which means "not available".
 template <class T>
 struct tensor_view {
     T* data = nullptr;
     int rank = 0;
     std::array<std::int64_t, max_view_rank> extents{};
+    memory_space space = memory_space::host;
 
     tensor_view() = default;
-    tensor_view(T* ptr, std::initializer_list<std::int64_t> shape) : data(ptr) {
+    tensor_view(T* ptr, std::initializer_list<std::int64_t> shape, memory_space where = memory_space::host)
+        : data(ptr), space(where) {
         if (shape.size() > static_cast<std::size_t>(max_view_rank))
             throw error("tensor_view: rank " + std::to_string(shape.size()) + " exceeds " +
                         std::to_string(max_view_rank));
         for (std::int64_t e : shape) extents[static_cast<std::size_t>(rank++)] = e;
     }
     template <class Extents>
-    static tensor_view from_extents(T* ptr, const Extents& shape) {
+    static tensor_view from_extents(T* ptr, const Extents& shape, memory_space where = memory_space::host) {
         tensor_view v;
         v.data = ptr;
+        v.space = where;
         for (auto e : shape) {
             if (v.rank == max_view_rank)
                 throw error("tensor_view: rank exceeds " + std::to_string(max_view_rank));
@@ -68,6 +81,7 @@ template <class T>
     c.data = v.data;
     c.rank = v.rank;
     c.extents = v.extents;
+    c.space = v.space;
     return c;
 }
 

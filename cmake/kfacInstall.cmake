@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+# Install rules and the CMake package (kfacConfig.cmake + kfacConfigVersion.cmake) for kfac.
+#
+# Included at the end of the top-level CMakeLists.txt, after the targets exist. Each target
+# gets its own export set, so the core package file never mentions MPI or CUDA:
+#
+#   <prefix>/include/kfac/...                       the headers (the targets' FILE_SETs)
+#   <prefix>/share/cmake/kfac/kfacConfig.cmake      components: mpi, cuda
+#   <prefix>/share/cmake/kfac/kfacConfigVersion.cmake
+#   <prefix>/share/cmake/kfac/kfac-targets.cmake        kfac::kfac  (always)
+#   <prefix>/share/cmake/kfac/kfac-mpi-targets.cmake    kfac::mpi   (when KFAC_HAS_MPI)
+#   <prefix>/share/cmake/kfac/kfac-cuda-targets.cmake   kfac::cuda  (when KFAC_HAS_CUDA)
+#
+# The package is header-only, so it goes under DATADIR (share/) and its version file is
+# ARCH_INDEPENDENT. What the build found (LAPACK, MPI, CUDA) is recorded in kfacConfig.cmake,
+# which finds the same dependencies again on the consumer's machine.
+
+option(KFAC_INSTALL "Generate kfac's install rules and CMake package files" ${PROJECT_IS_TOP_LEVEL})
+if(NOT KFAC_INSTALL)
+  return()
+endif()
+
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+set(KFAC_INSTALL_CMAKEDIR "${CMAKE_INSTALL_DATADIR}/cmake/kfac"
+    CACHE STRING "Where kfacConfig.cmake is installed, relative to the install prefix")
+mark_as_advanced(KFAC_INSTALL_CMAKEDIR)
+
+# install(TARGETS) must name every interface header set a target has (the core has HEADERS;
+# a component may get its own later), or CMake refuses to export it.
+function(_kfac_install_target target export_set)
+  set(file_sets)
+  get_target_property(header_sets ${target} INTERFACE_HEADER_SETS)
+  if(header_sets)
+    foreach(set_name IN LISTS header_sets)
+      list(APPEND file_sets FILE_SET ${set_name} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+    endforeach()
+  endif()
+  install(TARGETS ${target} EXPORT ${export_set} ${file_sets})
+endfunction()
+
+# Absolute include directories that the build found on this machine (the CUDA toolkit's
+# include/cccl) hold only in the build tree: kfacConfig.cmake recomputes them from the
+# consumer's own toolkit.
+function(_kfac_build_tree_only_includes target)
+  foreach(property INTERFACE_INCLUDE_DIRECTORIES INTERFACE_SYSTEM_INCLUDE_DIRECTORIES)
+    get_target_property(dirs ${target} ${property})
+    if(NOT dirs)
+      continue()
+    endif()
+    set(wrapped)
+    foreach(dir IN LISTS dirs)
+      if(IS_ABSOLUTE "${dir}" AND NOT dir MATCHES "^\\$<")
+        list(APPEND wrapped "$<BUILD_INTERFACE:${dir}>")
+      else()
+        list(APPEND wrapped "${dir}")
+      endif()
+    endforeach()
+    set_property(TARGET ${target} PROPERTY ${property} "${wrapped}")
+  endforeach()
+endfunction()
+
+_kfac_install_target(kfac kfac-targets)
+install(EXPORT kfac-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
+        COMPONENT kfac_development)
+
+# CUDA sources (.cuh) are not in the core's .hpp file set; install whatever exists.
+install(DIRECTORY ${kfac_SOURCE_DIR}/include/kfac DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+        COMPONENT kfac_development FILES_MATCHING PATTERN "*.cuh")
+
+set(_kfac_available_components)
+if(KFAC_HAS_MPI AND TARGET kfac_mpi)
+  _kfac_install_target(kfac_mpi kfac-mpi-targets)
+  install(EXPORT kfac-mpi-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
+          COMPONENT kfac_development)
+  list(APPEND _kfac_available_components mpi)
+endif()
+if(KFAC_HAS_CUDA AND TARGET kfac_cuda)
+  _kfac_build_tree_only_includes(kfac_cuda)
+  _kfac_install_target(kfac_cuda kfac-cuda-targets)
+  install(EXPORT kfac-cuda-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
+          COMPONENT kfac_development)
+  list(APPEND _kfac_available_components cuda)
+endif()
+
+# The pkg-config modules the core links when the build used LAPACKE + OpenBLAS.
+set(_kfac_lapack_modules)
+if(KFAC_HAS_LAPACK)
+  set(_kfac_lapack_modules "KFAC_LAPACKE=lapacke;KFAC_OPENBLAS=openblas")
+endif()
+
+configure_package_config_file(
+  ${CMAKE_CURRENT_LIST_DIR}/kfacConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/kfac-package/kfacConfig.cmake
+  INSTALL_DESTINATION ${KFAC_INSTALL_CMAKEDIR}
+  NO_SET_AND_CHECK_MACRO)
+# 0.x: a minor release may break the API, so only the same major.minor satisfies a request.
+write_basic_package_version_file(
+  ${PROJECT_BINARY_DIR}/kfac-package/kfacConfigVersion.cmake
+  VERSION ${kfac_VERSION}
+  COMPATIBILITY SameMinorVersion
+  ARCH_INDEPENDENT)
+install(FILES ${PROJECT_BINARY_DIR}/kfac-package/kfacConfig.cmake
+              ${PROJECT_BINARY_DIR}/kfac-package/kfacConfigVersion.cmake
+        DESTINATION ${KFAC_INSTALL_CMAKEDIR} COMPONENT kfac_development)
+
+unset(_kfac_available_components)
+unset(_kfac_lapack_modules)

@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file cuda_library_calls.cuh
+/// The cuBLAS and cuSOLVER calls the CUDA backend makes, overloaded on float and double, each
+/// checked: a failure throws kfac::error naming the typed call (cublasSsyrk, cusolverDnDsyevd,
+/// ...) and its status.
+
+#include <type_traits>
+
+#include <cublas_v2.h>
+#include <cusolverDn.h>
+
+#include "kfac/backend/detail/cuda_support.cuh"
+
+namespace kfac::backend::cuda_detail {
+
+#define KFAC_CUDA_TYPED_CALL(T, s_call, d_call, ...)                                    \
+    do {                                                                                  \
+        if constexpr (std::is_same_v<T, float>) check(s_call(__VA_ARGS__), #s_call);      \
+        else check(d_call(__VA_ARGS__), #d_call);                                         \
+    } while (0)
+
+/// Lower triangle of C = alpha·op(A)·op(A)ᵀ + beta·C.
+template <class T>
+void syrk(cublasOperation_t op, int n, int k, T alpha, const T* a, int lda, T beta, T* c, int ldc) {
+    cublasHandle_t h = library_handles::of_this_thread().blas();
+    KFAC_CUDA_TYPED_CALL(T, cublasSsyrk, cublasDsyrk, h, CUBLAS_FILL_MODE_LOWER, op, n, k, &alpha, a, lda, &beta, c, ldc);
+}
+
+template <class T>
+void gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, T alpha, const T* a, int lda,
+          const T* b, int ldb, T beta, T* c, int ldc) {
+    cublasHandle_t h = library_handles::of_this_thread().blas();
+    KFAC_CUDA_TYPED_CALL(T, cublasSgemm, cublasDgemm, h, op_a, op_b, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc);
+}
+
+/// Workspace size, in elements, of the eigensolver for an n × n matrix.
+template <class T>
+int syevd_workspace(int n, T* a, T* w) {
+    int lwork = 0;
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSsyevd_bufferSize, cusolverDnDsyevd_bufferSize, h, CUSOLVER_EIG_MODE_VECTOR,
+                         CUBLAS_FILL_MODE_LOWER, n, a, n, w, &lwork);
+    return lwork;
+}
+
+template <class T>
+void syevd(int n, T* a, T* w, T* work, int lwork, int* info) {
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSsyevd, cusolverDnDsyevd, h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n,
+                         a, n, w, work, lwork, info);
+}
+
+template <class T>
+int potrf_workspace(int n, T* a) {
+    int lwork = 0;
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSpotrf_bufferSize, cusolverDnDpotrf_bufferSize, h, CUBLAS_FILL_MODE_LOWER, n, a,
+                         n, &lwork);
+    return lwork;
+}
+
+template <class T>
+void potrf(int n, T* a, T* work, int lwork, int* info) {
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSpotrf, cusolverDnDpotrf, h, CUBLAS_FILL_MODE_LOWER, n, a, n, work, lwork, info);
+}
+
+template <class T>
+int potri_workspace(int n, T* a) {
+    int lwork = 0;
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSpotri_bufferSize, cusolverDnDpotri_bufferSize, h, CUBLAS_FILL_MODE_LOWER, n, a,
+                         n, &lwork);
+    return lwork;
+}
+
+template <class T>
+void potri(int n, T* a, T* work, int lwork, int* info) {
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSpotri, cusolverDnDpotri, h, CUBLAS_FILL_MODE_LOWER, n, a, n, work, lwork, info);
+}
+
+template <class T>
+int getrf_workspace(int n, T* a) {
+    int lwork = 0;
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSgetrf_bufferSize, cusolverDnDgetrf_bufferSize, h, n, n, a, n, &lwork);
+    return lwork;
+}
+
+template <class T>
+void getrf(int n, T* a, T* work, int* pivots, int* info) {
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSgetrf, cusolverDnDgetrf, h, n, n, a, n, work, pivots, info);
+}
+
+/// Solves A·X = B for n right-hand sides, A from getrf.
+template <class T>
+void getrs(int n, const T* a, const int* pivots, T* b, int* info) {
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSgetrs, cusolverDnDgetrs, h, CUBLAS_OP_N, n, n, a, n, pivots, b, n, info);
+}
+
+#undef KFAC_CUDA_TYPED_CALL
+
+}  // namespace kfac::backend::cuda_detail

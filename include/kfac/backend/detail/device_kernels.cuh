@@ -1,0 +1,230 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file device_kernels.cuh
+/// The element-wise work of the CUDA backend as Thrust algorithms over index ranges. Each
+/// kernel takes a Thrust execution policy: the backend passes a CUDA stream policy, and the
+/// CPU tests pass `thrust::cpp::par` (compiled by g++ with THRUST_DEVICE_SYSTEM_CPP), so the
+/// index arithmetic (patch extraction, layouts, the eigenvalue products) is tested against
+/// the CPU backend on machines without a GPU.
+///
+/// Storage is column-major throughout, as in cuBLAS: element (i, j) of a matrix with leading
+/// dimension ld is at i + j·ld. Host views are C-order (row-major).
+
+#include <cmath>
+#include <cstdint>
+
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/transform_reduce.h>
+#include <thrust/functional.h>
+
+#include "kfac/layers/im2col.hpp"
+
+#if defined(__CUDACC__)
+#define KFAC_HOST_DEVICE __host__ __device__
+#else
+#define KFAC_HOST_DEVICE
+#endif
+
+namespace kfac::backend::kernels {
+
+using index = std::int64_t;
+
+template <class Policy, class F>
+void for_each_index(Policy&& policy, index n, F f) {
+    if (n <= 0) return;
+    thrust::for_each_n(policy, thrust::counting_iterator<index>(0), n, f);
+}
+
+/// Patches of a [N, C, H, W] input as a column-major positions × elements matrix M with
+/// leading dimension ld: M(p, e) for patch position p (flattened over (sample, grid row,
+/// grid column), starting at grid row `first_row`) and element e = (c·k_h + u)·k_w + v; with
+/// `bias`, element `elements` is 1. Then Mᵀ M is the A statistic's X̃ᵀX̃ (one SYRK).
+template <class T>
+struct patch_matrix {
+    const T* input;
+    T* out;
+    index channels, height, width, ld;
+    index kh, kw, sh, sw, ph, pw, dil_h, dil_w;
+    index grid_rows, grid_cols, first_row, positions, elements;
+
+    KFAC_HOST_DEVICE void operator()(index t) const {
+        const index e = t / positions, p = t % positions;
+        T value = T(1);  // the bias's ones column
+        if (e < elements) {
+            const index c = e / (kh * kw), u = (e / kw) % kh, v = e % kw;
+            const index flat = first_row + p / grid_cols, j = p % grid_cols;
+            const index n = flat / grid_rows, i = flat % grid_rows;
+            const index ih = i * sh + u * dil_h - ph, iw = j * sw + v * dil_w - pw;
+            value = ih >= 0 && ih < height && iw >= 0 && iw < width ? input[((n * channels + c) * height + ih) * width + iw]
+                                                                  : T(0);
+        }
+        out[p + e * ld] = value;
+    }
+};
+
+/// Writes grid rows [first_row, first_row + row_count) of the patches (see patch_matrix);
+/// `bias` appends the ones column. M holds row_count·Ŵ rows and ld ≥ that.
+template <class Policy, class T>
+void extract_patches(Policy&& policy, const T* input, index channels, index height, index width,
+                     const conv2d_geometry& g, const patch_grid& grid, index first_row, index row_count, bool bias,
+                     T* out, index ld) {
+    const index elements = channels * g.kernel[0] * g.kernel[1];
+    const index positions = row_count * grid.cols;
+    patch_matrix<T> f{input,       out,         channels,    height,     width,     ld,
+                      g.kernel[0], g.kernel[1], g.stride[0], g.stride[1], g.padding[0], g.padding[1],
+                      grid.dil_h,  grid.dil_w,  grid.rows,   grid.cols,  first_row, positions,
+                      elements};
+    for_each_index(policy, positions * (elements + (bias ? 1 : 0)), f);
+}
+
+/// Row `row` of a column-major matrix with leading dimension ld, columns [0, cols), set to 1:
+/// the ones a Linear layer's bias adds to its inputs.
+template <class Policy, class T>
+void fill_row(Policy&& policy, T* m, index ld, index row, index cols, T value) {
+    for_each_index(policy, cols, [=] KFAC_HOST_DEVICE(index j) { m[row + j * ld] = value; });
+}
+
+/// A conv output gradient [N, C, S] as the column-major (N·S) × C matrix M(i·S + s, c), so
+/// that Mᵀ M = Σ over samples and positions of y yᵀ (the G statistic, one SYRK).
+template <class Policy, class T>
+void channels_last(Policy&& policy, const T* y, index samples, index channels, index spatial, T* out) {
+    const index rows = samples * spatial;
+    for_each_index(policy, rows * channels, [=] KFAC_HOST_DEVICE(index t) {
+        const index c = t / rows, r = t % rows;
+        const index i = r / spatial, s = r % spatial;
+        out[t] = y[(i * channels + c) * spatial + s];
+    });
+}
+
+/// M's strict upper triangle ← its lower one (n × n, column-major).
+template <class Policy, class T>
+void mirror_lower(Policy&& policy, T* m, index n) {
+    for_each_index(policy, n * n, [=] KFAC_HOST_DEVICE(index t) {
+        const index i = t % n, j = t / n;
+        if (i < j) m[t] = m[j + i * n];
+    });
+}
+
+template <class Policy, class T>
+void scale(Policy&& policy, T* m, index count, T s) {
+    for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { m[t] = s * m[t]; });
+}
+
+/// dst ← s·src.
+template <class Policy, class T>
+void scaled_copy(Policy&& policy, const T* src, index count, T s, T* dst) {
+    for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { dst[t] = s * src[t]; });
+}
+
+/// F ← decay·F + weight·sym(S), S defined by its lower triangle (n × n).
+template <class Policy, class T>
+void running_average(Policy&& policy, T* f, const T* s, index n, T decay, T weight) {
+    for_each_index(policy, n * n, [=] KFAC_HOST_DEVICE(index t) {
+        const index i = t % n, j = t / n;
+        const T v = i >= j ? s[t] : s[j + i * n];
+        f[t] = decay * f[t] + weight * v;
+    });
+}
+
+/// M ← s·I (n × n).
+template <class Policy, class T>
+void scaled_identity(Policy&& policy, T* m, index n, T diagonal) {
+    for_each_index(policy, n * n, [=] KFAC_HOST_DEVICE(index t) { m[t] = t % n == t / n ? diagonal : T(0); });
+}
+
+template <class Policy, class T>
+void fill(Policy&& policy, T* m, index count, T value) {
+    for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { m[t] = value; });
+}
+
+/// M(i, i) += d.
+template <class Policy, class T>
+void add_to_diagonal(Policy&& policy, T* m, index n, T d) {
+    for_each_index(policy, n, [=] KFAC_HOST_DEVICE(index i) { m[i + i * n] += d; });
+}
+
+template <class Policy, class T>
+void clamp_nonnegative(Policy&& policy, T* v, index n) {
+    for_each_index(policy, n, [=] KFAC_HOST_DEVICE(index i) { v[i] = v[i] > T(0) ? v[i] : T(0); });
+}
+
+/// D(i, j) = 1 / (a_i·g_j + damping): the same two roundings as the CPU backend.
+template <class Policy, class T>
+void inverse_eigen_product(Policy&& policy, const T* a, index m, const T* g, index n, T damping, T* d) {
+    for_each_index(policy, m * n, [=] KFAC_HOST_DEVICE(index t) {
+        const index i = t % m, j = t / m;
+        d[t] = T(1) / (a[i] * g[j] + damping);
+    });
+}
+
+/// V(i, j) /= a_i·g_j + damping.
+template <class Policy, class T>
+void divide_by_eigen_product(Policy&& policy, T* v, const T* a, index m, const T* g, index n, T damping) {
+    for_each_index(policy, m * n, [=] KFAC_HOST_DEVICE(index t) {
+        const index i = t % m, j = t / m;
+        v[t] = v[t] / (a[i] * g[j] + damping);
+    });
+}
+
+template <class Policy, class T>
+void multiply_elementwise(Policy&& policy, T* v, const T* d, index count) {
+    for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { v[t] = v[t] * d[t]; });
+}
+
+/// Γᵀ's columns written back as weight rows: w[j·cols + i] = s·P(i, j) and, when b is not
+/// null, b[j] = s·P(cols, j). P is a_dim × rows, column-major.
+template <class Policy, class T>
+void scatter_gradient(Policy&& policy, const T* p, index a_dim, index rows, index cols, T s, T* w, T* b) {
+    for_each_index(policy, a_dim * rows, [=] KFAC_HOST_DEVICE(index t) {
+        const index i = t % a_dim, j = t / a_dim;
+        if (i < cols) w[j * cols + i] = s * p[t];
+        else if (b) b[j] = s * p[t];
+    });
+}
+
+/// The inverse of scatter_gradient without scaling: Γᵀ(i, j) from weight row j and b[j].
+template <class Policy, class T>
+void gather_gradient(Policy&& policy, const T* w, const T* b, index a_dim, index rows, index cols, T* gamma) {
+    for_each_index(policy, a_dim * rows, [=] KFAC_HOST_DEVICE(index t) {
+        const index i = t % a_dim, j = t / a_dim;
+        gamma[t] = i < cols ? w[j * cols + i] : b[j];
+    });
+}
+
+/// Number of non-finite values among the first `count` (or, with n > 0, in the lower
+/// triangle of an n × n matrix).
+template <class T>
+struct non_finite_counter {
+    const T* m;
+    index n;  // 0: every element; else only i ≥ j of an n × n matrix
+    KFAC_HOST_DEVICE index operator()(index t) const {
+        if (n > 0 && t % n < t / n) return 0;
+        const T x = m[t];
+        return (x - x) == (x - x) ? 0 : 1;  // NaN for NaN and ±Inf, 0 otherwise
+    }
+};
+
+template <class Policy, class T>
+index count_non_finite(Policy&& policy, const T* m, index count, index lower_of_n = 0) {
+    if (count <= 0) return 0;
+    return thrust::transform_reduce(policy, thrust::counting_iterator<index>(0), thrust::counting_iterator<index>(count),
+                                    non_finite_counter<T>{m, lower_of_n}, index{0}, thrust::plus<index>());
+}
+
+template <class T>
+struct product_in_double {
+    const T* x;
+    const T* y;
+    KFAC_HOST_DEVICE double operator()(index t) const { return static_cast<double>(x[t]) * static_cast<double>(y[t]); }
+};
+
+/// Σ x∘y accumulated in double.
+template <class Policy, class T>
+double frobenius_dot(Policy&& policy, const T* x, const T* y, index count) {
+    if (count <= 0) return 0.0;
+    return thrust::transform_reduce(policy, thrust::counting_iterator<index>(0), thrust::counting_iterator<index>(count),
+                                    product_in_double<T>{x, y}, 0.0, thrust::plus<double>());
+}
+
+}  // namespace kfac::backend::kernels

@@ -1,0 +1,259 @@
+// SPDX-License-Identifier: Apache-2.0
+// backend::cuda on a GPU, against backend::cpu_eigen: every backend call, whole
+// preconditioners over several steps (both compute methods, host and device views, kl_clip),
+// and the errors. Without a CUDA device the program prints why and exits 77, which CTest
+// reports as skipped.
+
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <vector>
+
+#include <kfac/backend/cuda.cuh>
+#include <kfac/kfac.hpp>
+
+#include "unit/test_util.hpp"
+
+namespace {
+
+using kfac_test::eps;
+using kfac_test::mat;
+using kfac_test::random_vector;
+using kfac_test::rel_err;
+using index = std::int64_t;
+
+/// A host vector's contents in device memory, freed at scope exit.
+template <class T>
+struct device_copy {
+    T* data = nullptr;
+    explicit device_copy(const std::vector<T>& v) {
+        REQUIRE(cudaMalloc(&data, v.size() * sizeof(T)) == cudaSuccess);
+        REQUIRE(cudaMemcpy(data, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+    }
+    device_copy(const device_copy&) = delete;
+    device_copy& operator=(const device_copy&) = delete;
+    ~device_copy() { cudaFree(data); }
+    std::vector<T> to_host(std::size_t n) const {
+        std::vector<T> h(n);
+        REQUIRE(cudaMemcpy(h.data(), data, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+        return h;
+    }
+};
+
+template <class T>
+mat<T> lower_of(const mat<T>& m) {
+    return m.template triangularView<Eigen::Lower>();
+}
+
+TEMPLATE_TEST_CASE("statistics match the CPU backend for host and device views", "[cuda]", float, double) {
+    using T = TestType;
+    using gpu = kfac::backend::cuda<T>;
+    using cpu = kfac::backend::cpu_eigen<T>;
+    // Sums of O(rows) products in a different order: a few ε per term at most.
+    const double tol = 50 * eps<T>();
+    const std::vector<kfac::layer_description> layers = {
+        kfac::linear_description(7, 5, true), kfac::linear_description(6, 4, false),
+        kfac::conv2d_description(3, 4, {{3, 3}, {2, 2}, {1, 1}, {1, 1}, 1}, true),
+        kfac::conv2d_description(2, 3, {{2, 3}, {1, 2}, {2, 0}, {2, 1}, 1}, false)};
+    const index n = 5, h = 9, w = 8;
+    for (const auto& d : layers) {
+        for (auto mode : {kfac::conv_patch_mode::reference, kfac::conv_patch_mode::dilated}) {
+            const bool conv = d.kind == kfac::layer_kind::conv2d;
+            const auto a_host = random_vector<T>(static_cast<std::size_t>(conv ? n * d.in * h * w : n * d.in), 1);
+            const index ho = conv ? kfac::conv_output_extent(h, d.conv.kernel[0], d.conv.stride[0], d.conv.padding[0], d.conv.dilation[0]) : 1;
+            const index wo = conv ? kfac::conv_output_extent(w, d.conv.kernel[1], d.conv.stride[1], d.conv.padding[1], d.conv.dilation[1]) : 1;
+            const auto g_host = random_vector<T>(static_cast<std::size_t>(n * d.out * ho * wo), 2);
+            const device_copy<T> a_dev(a_host), g_dev(g_host);
+            for (auto space : {kfac::memory_space::host, kfac::memory_space::device}) {
+                const bool dev = space == kfac::memory_space::device;
+                const auto a = conv ? kfac::tensor_view<const T>(dev ? a_dev.data : a_host.data(), {n, d.in, h, w}, space)
+                                    : kfac::tensor_view<const T>(dev ? a_dev.data : a_host.data(), {n, d.in}, space);
+                const auto g = conv ? kfac::tensor_view<const T>(dev ? g_dev.data : g_host.data(), {n, d.out, ho, wo}, space)
+                                    : kfac::tensor_view<const T>(dev ? g_dev.data : g_host.data(), {n, d.out}, space);
+                auto host_a = a, host_g = g;
+                host_a.data = a_host.data(), host_a.space = kfac::memory_space::host;
+                host_g.data = g_host.data(), host_g.space = kfac::memory_space::host;
+                mat<T> a_ref = mat<T>::Zero(d.a_dim(), d.a_dim()), g_ref = mat<T>::Zero(d.g_dim(), d.g_dim());
+                typename cpu::workspace cws;
+                cpu::accumulate_a_statistic(a_ref, d, host_a, mode, T(0), cws);
+                cpu::accumulate_g_statistic(g_ref, d, host_g, T(0), cws);
+                auto a_sum = gpu::zeros(d.a_dim(), d.a_dim()), g_sum = gpu::zeros(d.g_dim(), d.g_dim());
+                typename gpu::workspace ws;
+                gpu::accumulate_a_statistic(a_sum, d, a, mode, T(0), ws);
+                gpu::accumulate_g_statistic(g_sum, d, g, T(0), ws);
+                CHECK(rel_err(lower_of<T>(gpu::to_host(a_sum)), lower_of<T>(a_ref)) < tol);
+                CHECK(rel_err(lower_of<T>(gpu::to_host(g_sum)), lower_of<T>(g_ref)) < tol);
+                // beta = 1 adds a second batch.
+                gpu::accumulate_a_statistic(a_sum, d, a, mode, T(1), ws);
+                CHECK(rel_err(lower_of<T>(gpu::to_host(a_sum)), lower_of<T>(mat<T>(2 * a_ref))) < tol);
+            }
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("decompositions, products and gradient transfer match the CPU backend", "[cuda]", float, double) {
+    using T = TestType;
+    using gpu = kfac::backend::cuda<T>;
+    using cpu = kfac::backend::cpu_eigen<T>;
+    for (index n : {5, 64, 300}) {
+        // A Wishart matrix with eigenvalues of order one: κ ≈ 1e2 at most, so eigenvectors
+        // and inverses carry errors of a few hundred ε.
+        const auto x = random_vector<T>(static_cast<std::size_t>(n * 3 * n), 3);
+        const mat<T> xm = mat<T>::Map(x.data(), n, 3 * n);
+        const mat<T> m = xm * xm.transpose() / T(3 * n) + T(0.1) * mat<T>::Identity(n, n);
+        const auto md = gpu::from_host(m);
+        typename gpu::matrix q;
+        typename gpu::vector lambda;
+        REQUIRE(gpu::symmetric_eigen(md, q, lambda));
+        const mat<T> qh = gpu::to_host(q), lh = gpu::to_host(lambda);
+        const mat<T> rebuilt = qh * lh.col(0).asDiagonal() * qh.transpose();
+        CHECK(rel_err(rebuilt, m) < 1e3 * eps<T>());
+        typename cpu::matrix q_cpu;
+        typename cpu::vector l_cpu;
+        REQUIRE(cpu::symmetric_eigen(m, q_cpu, l_cpu));
+        CHECK(rel_err(lh, l_cpu) < 1e3 * eps<T>());
+        for (index i = 1; i < n; ++i) CHECK(lh(i) >= lh(i - 1));  // ascending
+
+        typename gpu::matrix inv;
+        REQUIRE(gpu::damped_inverse(md, T(0.003), inv));
+        typename cpu::matrix inv_cpu;
+        REQUIRE(cpu::damped_inverse(m, T(0.003), inv_cpu));
+        CHECK(rel_err(gpu::to_host(inv), inv_cpu) < 1e3 * eps<T>());
+
+        typename gpu::matrix c;
+        gpu::multiply(md, true, q, false, c);
+        typename cpu::matrix c_cpu;
+        cpu::multiply(m, true, qh, false, c_cpu);
+        CHECK(rel_err(gpu::to_host(c), c_cpu) < 100 * n * eps<T>());
+    }
+    // A non-finite matrix gives no usable decomposition.
+    mat<T> bad = mat<T>::Identity(4, 4);
+    bad(2, 1) = std::numeric_limits<T>::quiet_NaN();
+    typename gpu::matrix q;
+    typename gpu::vector lambda;
+    CHECK_FALSE(gpu::symmetric_eigen(gpu::from_host(bad), q, lambda));
+    CHECK_FALSE(gpu::all_finite(gpu::from_host(bad)));
+    CHECK(gpu::lower_all_finite(gpu::from_host(mat<T>(bad.transpose()))));
+
+    // Γᵀ in and scale·Pᵀ out, host and device views.
+    const index out = 3, in = 4;
+    auto w = random_vector<T>(static_cast<std::size_t>(out * in), 4);
+    auto b = random_vector<T>(static_cast<std::size_t>(out), 5);
+    typename gpu::matrix gamma;
+    gpu::load_gradient(gamma, kfac::tensor_view<const T>(w.data(), {out, in}), kfac::tensor_view<const T>(b.data(), {out}));
+    typename cpu::matrix gamma_cpu;
+    cpu::load_gradient(gamma_cpu, kfac::tensor_view<const T>(w.data(), {out, in}), kfac::tensor_view<const T>(b.data(), {out}));
+    CHECK(gpu::to_host(gamma) == gamma_cpu);
+    const device_copy<T> wd(w), bd(b);
+    gpu::store_gradient(gamma, T(0.5), kfac::tensor_view<T>(wd.data, {out, in}, kfac::memory_space::device),
+                        kfac::tensor_view<T>(bd.data, {out}, kfac::memory_space::device));
+    auto w_cpu = w, b_cpu = b;
+    cpu::store_gradient(gamma_cpu, T(0.5), kfac::tensor_view<T>(w_cpu.data(), {out, in}), kfac::tensor_view<T>(b_cpu.data(), {out}));
+    CHECK(wd.to_host(w.size()) == w_cpu);
+    CHECK(bd.to_host(b.size()) == b_cpu);
+    CHECK(gpu::frobenius_dot(gamma, gamma) == Approx(cpu::frobenius_dot(gamma_cpu, gamma_cpu)).epsilon(1e-12));
+}
+
+/// One layer's buffers for both preconditioners: the CPU one reads host copies, the GPU one
+/// host or device views of the same values.
+template <class T>
+struct twin_layer {
+    kfac_test::owned_layer<T> cpu, gpu;
+    std::unique_ptr<device_copy<T>> a_dev, g_dev, w_dev, b_dev;
+
+    void make_device_views() {
+        a_dev = std::make_unique<device_copy<T>>(gpu.input);
+        g_dev = std::make_unique<device_copy<T>>(gpu.grad_output);
+        w_dev = std::make_unique<device_copy<T>>(gpu.grad_weight);
+        gpu.view.input.data = a_dev->data;
+        gpu.view.grad_output.data = g_dev->data;
+        gpu.view.grad_weight.data = w_dev->data;
+        gpu.view.input.space = gpu.view.grad_output.space = gpu.view.grad_weight.space = kfac::memory_space::device;
+        if (gpu.view.description.bias) {
+            b_dev = std::make_unique<device_copy<T>>(gpu.grad_bias);
+            gpu.view.grad_bias.data = b_dev->data;
+            gpu.view.grad_bias.space = kfac::memory_space::device;
+        }
+    }
+    std::vector<T> gpu_weight_gradient() const {
+        return w_dev ? w_dev->to_host(gpu.grad_weight.size()) : gpu.grad_weight;
+    }
+};
+
+TEMPLATE_TEST_CASE("a CUDA preconditioner matches the CPU one step by step", "[cuda]", float, double) {
+    using T = TestType;
+    // Both run the same formulas; the float tolerance is the golden replay's (γ = 0.01).
+    const double tol = std::is_same_v<T, float> ? 10 * eps<T>() * (1 + 0.01) / 0.01 : 1e-10;
+    for (bool device_views : {false, true}) {
+        for (bool eigen : {true, false}) {
+            kfac::options o;
+            o.damping = 0.01;
+            o.kl_clip = 0.001;
+            o.lr = 0.1;
+            o.inv_update_steps = 2;
+            auto run = [&]<class Method>(Method) {
+                kfac::KFAC<kfac::backend::cpu_eigen<T>, kfac::comm::serial, Method> cpu(o);
+                kfac::KFAC<kfac::backend::cuda<T>, kfac::comm::serial, Method> gpu(o);
+                std::vector<twin_layer<T>> layers(2);
+                layers[0].cpu = kfac_test::random_linear<T>(8, 6, 4, true, 21);
+                layers[1].cpu = kfac_test::random_conv<T>(4, 2, 3, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 1}, true, 6, 5, 22);
+                for (auto& l : layers) {
+                    l.gpu = l.cpu;
+                    l.cpu.bind();
+                    l.gpu.bind();
+                    if (device_views) l.make_device_views();
+                }
+                cpu.register_layer("fc", layers[0].cpu.view);
+                cpu.register_layer("conv", layers[1].cpu.view);
+                gpu.register_layer("fc", layers[0].gpu.view);
+                gpu.register_layer("conv", layers[1].gpu.view);
+                for (int step = 0; step < 4; ++step) {
+                    cpu.step();
+                    gpu.step();
+                    for (auto& l : layers) CHECK(rel_err(Eigen::Map<const mat<T>>(l.gpu_weight_gradient().data(), 1, l.cpu.grad_weight.size()),
+                                                         Eigen::Map<const mat<T>>(l.cpu.grad_weight.data(), 1, l.cpu.grad_weight.size())) < tol);
+                    CHECK(gpu.last_kl_scale() == Approx(cpu.last_kl_scale()).epsilon(tol));
+                    CHECK(rel_err(kfac::backend::cuda<T>::to_host(gpu.a_factor("conv")), cpu.a_factor("conv")) < tol);
+                    // The next step's gradients: the preconditioned ones fed back, as a loop would.
+                    for (auto& l : layers) {
+                        l.gpu.grad_weight = l.cpu.grad_weight;
+                        if (l.w_dev) l.w_dev = std::make_unique<device_copy<T>>(l.gpu.grad_weight), l.gpu.view.grad_weight.data = l.w_dev->data;
+                    }
+                }
+            };
+            if (eigen) run(kfac::compute::eigendecomposition{});
+            else run(kfac::compute::inverse{});
+        }
+    }
+}
+
+TEST_CASE("CUDA failures name the call, the status and the layer", "[cuda][errors]") {
+    using T = float;
+    kfac::KFAC<kfac::backend::cuda<T>> precond;
+    auto layer = kfac_test::random_linear<T>(5, 4, 3, false, 1);
+    layer.bind();
+    // A "device" gradient pointer that is no device allocation.
+    layer.view.grad_weight = kfac::tensor_view<T>(reinterpret_cast<T*>(std::uintptr_t{0x10}), {3, 4}, kfac::memory_space::device);
+    precond.register_layer("fc1", layer.view);
+    try {
+        precond.step();
+        FAIL("step() with an invalid device pointer did not throw");
+    } catch (const kfac::error& e) {
+        const std::string what = e.what();
+        CHECK_THAT(what, Catch::Contains("layer 'fc1'"));
+        CHECK_THAT(what, Catch::Contains("cudaMemcpy2DAsync"));
+        CHECK_THAT(what, Catch::Contains("cudaError"));
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (kfac::backend::cuda_device_count() == 0) {
+        std::printf("SKIPPED: no CUDA device is present (cudaGetDeviceCount reports none); "
+                    "the CUDA backend tests need a GPU\n");
+        return 77;
+    }
+    return Catch::Session().run(argc, argv);
+}

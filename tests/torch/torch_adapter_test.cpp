@@ -1,0 +1,401 @@
+// SPDX-License-Identifier: Apache-2.0
+// The LibTorch adapter (kfac/layers/torch.hpp): what it captures is the input and output
+// gradient of each module, and preconditioning through it gives the same gradients as plain
+// kfac::layer_views built by hand from the same data; its errors name the layer.
+#define CATCH_CONFIG_MAIN  // header-only Catch2: no prebuilt library whose ABI must match LibTorch's
+
+#include <torch/torch.h>
+// LibTorch includes glog, whose CHECK(condition) would shadow Catch's.
+#undef CHECK
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <kfac/kfac.hpp>
+#include <kfac/layers/torch.hpp>
+
+namespace F = torch::nn::functional;
+namespace nn = torch::nn;
+
+static_assert(kfac::layer_adapter<kfac::torch::tracked_layer<float>>);
+static_assert(kfac::layer_adapter<kfac::torch::tracked_layer<double>>);
+
+namespace {
+
+// Conv2d with bias and padding; Conv2d with a 3×2 kernel, stride 2 and no bias; Conv2d with
+// reflect padding; Linear without bias (the matmul path); Linear with bias (the addmm path).
+struct small_net_impl : nn::Module {
+    nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
+    nn::Linear fc1{nullptr}, fc2{nullptr};
+
+    small_net_impl() {
+        conv1 = register_module("conv1", nn::Conv2d(nn::Conv2dOptions(2, 4, 3).padding(1)));
+        conv2 = register_module("conv2", nn::Conv2d(nn::Conv2dOptions(4, 5, {3, 2}).stride(2).bias(false)));
+        conv3 = register_module("conv3", nn::Conv2d(nn::Conv2dOptions(5, 3, 3).padding(1).padding_mode(torch::kReflect)));
+        fc1 = register_module("fc1", nn::Linear(nn::LinearOptions(27, 7).bias(false)));
+        fc2 = register_module("fc2", nn::Linear(7, 3));
+    }
+
+    // Written as a user writes it: modules called directly, in-place activations.
+    torch::Tensor forward(torch::Tensor x) {
+        x = conv1(x).relu_();
+        x = torch::tanh(conv2(x));
+        x = torch::relu(conv3(x)).flatten(1);
+        x = fc1(x).relu_();
+        return fc2(x);
+    }
+};
+TORCH_MODULE_IMPL(small_net, small_net_impl);
+
+const std::vector<std::string> layer_names{"conv1", "conv2", "conv3", "fc1", "fc2"};
+
+/// The same network evaluated step by step, keeping each layer's input and output (with
+/// retain_grad) without any help from the tracker. conv3's input is the reflect-padded
+/// tensor its convolution multiplies.
+struct reference_pass {
+    std::vector<torch::Tensor> inputs, outputs;
+
+    torch::Tensor keep(const torch::Tensor& in, torch::Tensor out) {
+        inputs.push_back(in);
+        out.retain_grad();
+        outputs.push_back(out);
+        return out;
+    }
+
+    torch::Tensor forward(small_net& net, const torch::Tensor& x) {
+        auto y = torch::relu(keep(x, net->conv1(x)));
+        y = torch::tanh(keep(y, net->conv2(y)));
+        auto padded = F::pad(y, F::PadFuncOptions({1, 1, 1, 1}).mode(torch::kReflect));
+        inputs.push_back(padded);
+        outputs.push_back(net->conv3(y));
+        outputs.back().retain_grad();
+        y = torch::relu(outputs.back()).flatten(1);
+        y = torch::relu(keep(y, net->fc1(y)));
+        return keep(y, net->fc2(y));
+    }
+};
+
+/// The descriptions written out by hand (not read from the modules).
+std::vector<kfac::layer_description> reference_descriptions() {
+    kfac::conv2d_geometry g1, g2, g3;
+    g1.kernel = {3, 3};
+    g1.padding = {1, 1};
+    g2.kernel = {3, 2};
+    g2.stride = {2, 2};
+    g3.kernel = {3, 3};  // reflect padding: the captured input is already padded
+    return {kfac::conv2d_description(2, 4, g1, true), kfac::conv2d_description(4, 5, g2, false),
+            kfac::conv2d_description(5, 3, g3, true), kfac::linear_description(27, 7, false),
+            kfac::linear_description(7, 3, true)};
+}
+
+template <class T>
+std::vector<T> to_vector(const torch::Tensor& t) {
+    const auto c = t.detach().contiguous();
+    return {c.data_ptr<T>(), c.data_ptr<T>() + c.numel()};
+}
+
+/// A layer's data copied out of LibTorch into plain vectors, exposed as a kfac::layer_view.
+template <class T>
+struct copied_layer {
+    kfac::layer_view<T> view;
+    std::vector<T> input, grad_output, grad_weight, grad_bias;
+    std::vector<std::int64_t> input_shape, output_shape, weight_shape;
+
+    void set_statistics(const torch::Tensor& in, const torch::Tensor& gout) {
+        input = to_vector<T>(in);
+        grad_output = to_vector<T>(gout);
+        input_shape = in.sizes().vec();
+        output_shape = gout.sizes().vec();
+        view.input = kfac::tensor_view<const T>::from_extents(input.data(), input_shape);
+        view.grad_output = kfac::tensor_view<const T>::from_extents(grad_output.data(), output_shape);
+    }
+    void set_gradients(const torch::Tensor& w, const torch::Tensor& b) {
+        grad_weight = to_vector<T>(w.grad());
+        weight_shape = w.sizes().vec();
+        view.grad_weight = kfac::tensor_view<T>::from_extents(grad_weight.data(), weight_shape);
+        if (b.defined()) {
+            grad_bias = to_vector<T>(b.grad());
+            view.grad_bias = kfac::tensor_view<T>(grad_bias.data(), {b.numel()});
+        }
+    }
+};
+
+/// max |x − r| / max |r|.
+template <class T>
+double rel_err(const torch::Tensor& x, const std::vector<T>& r) {
+    const auto xs = to_vector<T>(x);
+    double num = 0.0, den = 0.0;
+    for (std::size_t i = 0; i < r.size(); ++i) {
+        num = std::max(num, std::abs(static_cast<double>(xs[i]) - static_cast<double>(r[i])));
+        den = std::max(den, std::abs(static_cast<double>(r[i])));
+    }
+    return den > 0 ? num / den : num;
+}
+
+template <class T>
+constexpr torch::Dtype dtype_of() {
+    return std::is_same_v<T, float> ? torch::kFloat : torch::kDouble;
+}
+
+std::pair<torch::Tensor, torch::Tensor> batch(torch::Dtype dtype) {
+    return {torch::randn({6, 2, 7, 7}, torch::TensorOptions().dtype(dtype)), torch::randint(0, 3, {6}, torch::kLong)};
+}
+
+std::pair<torch::Tensor, torch::Tensor> params_of(small_net& net, std::size_t i) {
+    switch (i) {
+        case 0: return {net->conv1->weight, net->conv1->bias};
+        case 1: return {net->conv2->weight, net->conv2->bias};
+        case 2: return {net->conv3->weight, net->conv3->bias};
+        case 3: return {net->fc1->weight, net->fc1->bias};
+        default: return {net->fc2->weight, net->fc2->bias};
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the torch adapter preconditions like plain views of the same data", "[torch]", float, double) {
+    using T = TestType;
+    torch::manual_seed(7);
+    small_net net;
+    net->to(dtype_of<T>());
+
+    kfac::options opts;
+    opts.lr = 0.1;
+    opts.damping = 0.01;
+    opts.inv_update_steps = 2;  // decompositions at steps 0 and 2, reused at 1 and 3
+    opts.threads = 1;
+    using precond_t = kfac::KFAC<kfac::backend::cpu_eigen<T>>;
+    kfac::torch::tracker<T> tracker;
+    precond_t through_torch(opts), through_views(opts);
+    REQUIRE(kfac::torch::register_modules(through_torch, tracker, net) == layer_names.size());
+
+    const auto descriptions = reference_descriptions();
+    std::vector<copied_layer<T>> copies(layer_names.size());
+    for (std::size_t i = 0; i < copies.size(); ++i) {
+        CHECK(tracker.layer(layer_names[i]).description().a_dim() == descriptions[i].a_dim());
+        CHECK(tracker.layer(layer_names[i]).description().conv.padding == descriptions[i].conv.padding);
+        copies[i].view.description = descriptions[i];
+        through_views.register_layer(layer_names[i], copies[i].view);
+    }
+
+    // Both preconditioners see bitwise the same numbers (the captured tensors are checked
+    // equal to the reference ones below) and run the same code, so the results can differ
+    // only where a vectorised kernel sums in another order because the buffers (LibTorch's,
+    // 64-byte aligned, against std::vector's) are aligned differently. Such a reordering
+    // changes a sum of n products by at most ~n·u of the sum of their magnitudes, and the
+    // damped eigenbasis solve (condition ≤ (λ_max + γ)/γ, about 10² here with γ = 0.01 and
+    // factors of norm ~1) amplifies that: 2¹⁰·u (1.2e-4 in float, 2.3e-13 in double) bounds it
+    // with room to spare while still catching a wrong tensor, whose error is O(1). (Observed
+    // with Debian's LibTorch 1.13.1 and OpenBLAS 0.3.21: no difference at all.)
+    const double tol = 1024.0 * static_cast<double>(std::numeric_limits<T>::epsilon());
+    for (int step = 0; step < 4; ++step) {
+        INFO("step " << step);
+        const auto [x, target] = batch(dtype_of<T>());
+
+        // Reference: the layers' inputs and output gradients, without the tracker's help.
+        net->zero_grad();
+        reference_pass ref;
+        F::cross_entropy(ref.forward(net, x), target).backward();
+        for (std::size_t i = 0; i < copies.size(); ++i) copies[i].set_statistics(ref.inputs[i], ref.outputs[i].grad());
+
+        // The training step as a user writes it.
+        net->zero_grad();
+        F::cross_entropy(net->forward(x), target).backward();
+        for (std::size_t i = 0; i < copies.size(); ++i) {
+            INFO("layer " << layer_names[i]);
+            const auto& l = tracker.layer(layer_names[i]);
+            REQUIRE(l.input().defined());
+            CHECK(torch::equal(l.input(), ref.inputs[i]));
+            CHECK(torch::equal(l.grad_output(), ref.outputs[i].grad()));
+            const auto [w, b] = params_of(net, i);
+            copies[i].set_gradients(w, b);
+        }
+
+        through_torch.step();
+        through_views.step();
+        CHECK(through_torch.last_kl_scale() == Approx(through_views.last_kl_scale()).epsilon(tol));
+        for (std::size_t i = 0; i < copies.size(); ++i) {
+            INFO("layer " << layer_names[i]);
+            const auto [w, b] = params_of(net, i);
+            CHECK(rel_err(w.grad(), copies[i].grad_weight) <= tol);
+            if (b.defined()) CHECK(rel_err(b.grad(), copies[i].grad_bias) <= tol);
+        }
+        torch::NoGradGuard no_grad;
+        for (auto& p : net->parameters()) p.sub_(0.1 * p.grad());
+    }
+    CHECK(tracker.layer("fc2").passes() == 8);  // 4 reference passes and 4 training passes
+}
+
+TEST_CASE("the torch adapter captures Sequential members and Linear on 3-D inputs", "[torch]") {
+    torch::manual_seed(3);
+    struct model_impl : nn::Module {
+        nn::Sequential body{nullptr};
+        model_impl() {
+            body = register_module("body", nn::Sequential(nn::Linear(4, 5), nn::ReLU(),
+                                                          nn::Linear(nn::LinearOptions(5, 2).bias(false))));
+        }
+        torch::Tensor forward(const torch::Tensor& x) { return body->forward(x); }
+    };
+    auto model = std::make_shared<model_impl>();
+    kfac::torch::tracker<float> tracker;
+    kfac::KFAC<> precond;
+    REQUIRE(kfac::torch::register_modules(precond, tracker, model) == 2);
+    CHECK(precond.is_registered("body.0"));
+    CHECK(precond.is_registered("body.2"));
+
+    const auto x = torch::randn({3, 4, 4});  // [batch, sequence, features]
+    auto h = x.matmul(model->body[0]->as<nn::Linear>()->weight.t()) + model->body[0]->as<nn::Linear>()->bias;
+    h.retain_grad();
+    auto out = torch::relu(h).matmul(model->body[2]->as<nn::Linear>()->weight.t());
+    out.retain_grad();
+    out.square().sum().backward();
+    const auto h_grad = h.grad().clone(), out_grad = out.grad().clone();
+    const auto second_input = torch::relu(h).detach();
+
+    model->zero_grad();
+    model->forward(x).square().sum().backward();
+    CHECK(torch::equal(tracker.layer("body.0").input(), x));
+    CHECK(torch::allclose(tracker.layer("body.0").grad_output(), h_grad));
+    CHECK(torch::allclose(tracker.layer("body.2").input(), second_input));
+    CHECK(torch::allclose(tracker.layer("body.2").grad_output(), out_grad));
+    CHECK(tracker.layer("body.0").grad_output().sizes() == torch::IntArrayRef({3, 4, 5}));
+    CHECK_NOTHROW(precond.step());
+}
+
+TEST_CASE("forward passes without a backward pass leave the captured pass alone", "[torch]") {
+    torch::manual_seed(5);
+    auto fc = nn::Linear(3, 2);
+    kfac::torch::tracker<float> tracker;
+    auto& layer = tracker.track("fc", fc);
+    CHECK(layer.passes() == 0);
+    CHECK_FALSE(layer.input().defined());
+
+    const auto x = torch::randn({4, 3});
+    fc(x).sum().backward();
+    REQUIRE(layer.passes() == 1);
+    CHECK(torch::equal(layer.input(), x));
+    {
+        torch::NoGradGuard no_grad;  // evaluation
+        (void)fc(torch::randn({5, 3}));
+    }
+    (void)fc(torch::randn({6, 3}));  // gradients enabled, but no backward
+    CHECK(layer.passes() == 1);
+    CHECK(torch::equal(layer.input(), x));
+    CHECK(layer.grad_output().sizes() == torch::IntArrayRef({4, 2}));
+}
+
+TEST_CASE("a tracker removes its observer when the last one goes", "[torch]") {
+    CHECK_FALSE(at::hasThreadLocalCallbacks());
+    {
+        kfac::torch::tracker<float> a;
+        {
+            kfac::torch::tracker<double> b;
+            CHECK(at::hasThreadLocalCallbacks());
+        }
+        CHECK(at::hasThreadLocalCallbacks());
+    }
+    CHECK_FALSE(at::hasThreadLocalCallbacks());
+}
+
+TEST_CASE("torch adapter errors name the layer", "[torch][errors]") {
+    torch::manual_seed(11);
+    auto fc = nn::Linear(3, 2);
+    const auto x = torch::randn({4, 3});
+
+    SECTION("dtype differs from the tracker's") {
+        auto fc64 = nn::Linear(3, 2);
+        fc64->to(torch::kDouble);
+        kfac::torch::tracker<float> tracker;
+        CHECK_THROWS_WITH(tracker.track("head", fc64),
+                          Catch::Contains("layer 'head'") && Catch::Contains("Double") &&
+                              Catch::Contains("tracker<double>"));
+    }
+    SECTION("dtype changed after registration") {
+        kfac::torch::tracker<float> tracker;
+        kfac::KFAC<> precond;
+        precond.register_layer("head", tracker.track("head", fc));
+        fc->to(torch::kDouble);
+        fc(x.to(torch::kDouble)).sum().backward();
+        CHECK_THROWS_WITH(precond.step(), Catch::Contains("layer 'head'") && Catch::Contains("dtype Double"));
+    }
+    SECTION("gradient not contiguous") {
+        kfac::torch::tracker<float> tracker;
+        kfac::KFAC<> precond;
+        precond.register_layer("head", tracker.track("head", fc));
+        fc(x).sum().backward();
+        fc->weight.mutable_grad() = torch::zeros({3, 2}).t();
+        CHECK_THROWS_WITH(precond.step(), Catch::Contains("layer 'head'") &&
+                                              Catch::Contains("weight.grad() is not contiguous"));
+    }
+    SECTION("gradient not on the CPU") {
+        kfac::torch::tracker<float> tracker;
+        kfac::KFAC<> precond;
+        precond.register_layer("head", tracker.track("head", fc));
+        fc(x).sum().backward();
+        fc->bias.mutable_grad() = torch::zeros({2}, torch::TensorOptions().device(torch::kMeta));
+        CHECK_THROWS_WITH(precond.step(), Catch::Contains("layer 'head'") && Catch::Contains("bias.grad() is on device meta"));
+    }
+    SECTION("no gradient") {
+        kfac::torch::tracker<float> tracker;
+        kfac::KFAC<> precond;
+        precond.register_layer("head", tracker.track("head", fc));
+        fc(x).sum().backward();
+        fc->weight.mutable_grad() = torch::Tensor();
+        CHECK_THROWS_WITH(precond.step(), Catch::Contains("layer 'head'") && Catch::Contains("weight.grad() is undefined"));
+    }
+    SECTION("nothing captured") {
+        kfac::torch::tracker<float> tracker;
+        kfac::KFAC<> precond;
+        precond.register_layer("head", tracker.track("head", fc));
+        {
+            torch::NoGradGuard no_grad;
+            (void)fc(x);
+        }
+        fc->weight.mutable_grad() = torch::zeros({2, 3});
+        fc->bias.mutable_grad() = torch::zeros({2});
+        CHECK_THROWS_WITH(precond.step(), Catch::Contains("layer 'head'") && Catch::Contains("no forward and backward pass"));
+    }
+    SECTION("modules that are not Linear or Conv2d, and duplicates") {
+        kfac::torch::tracker<float> tracker;
+        CHECK_THROWS_WITH(tracker.track("act", nn::ReLU().ptr()), Catch::Contains("'act'") && Catch::Contains("neither"));
+        tracker.track("head", fc);
+        CHECK_THROWS_WITH(tracker.track("head", nn::Linear(3, 2)), Catch::Contains("'head' is already tracked"));
+        CHECK_THROWS_WITH(tracker.track("again", fc), Catch::Contains("already tracked as 'head'"));
+        CHECK_THROWS_WITH(tracker.layer("tail"), Catch::Contains("no layer named 'tail'"));
+    }
+    SECTION("unsupported convolutions") {
+        kfac::torch::tracker<float> tracker;
+        kfac::KFAC<> precond;
+        auto grouped = nn::Conv2d(nn::Conv2dOptions(4, 4, 3).groups(2));
+        CHECK_THROWS_WITH(precond.register_layer("grouped", tracker.track("grouped", grouped)),
+                          Catch::Contains("layer 'grouped'") && Catch::Contains("groups = 2"));
+        auto same_even = nn::Conv2d(nn::Conv2dOptions(1, 2, 2).padding(torch::kSame));
+        CHECK_THROWS_WITH(tracker.track("same", same_even), Catch::Contains("layer 'same'") && Catch::Contains("unevenly"));
+        auto same_odd = nn::Conv2d(nn::Conv2dOptions(1, 2, 3).padding(torch::kSame).dilation(2));
+        CHECK(tracker.track("same_odd", same_odd).description().conv.padding == std::array<std::int64_t, 2>{2, 2});
+    }
+    SECTION("register_modules honours skip_layers before tracking") {
+        struct model_impl : nn::Module {
+            nn::Conv2d grouped{nullptr}, same{nullptr};
+            nn::Linear head{nullptr};
+            model_impl() {
+                grouped = register_module("grouped", nn::Conv2d(nn::Conv2dOptions(4, 4, 3).groups(2)));
+                same = register_module("same", nn::Conv2d(nn::Conv2dOptions(4, 4, 2).padding(torch::kSame)));
+                head = register_module("head", nn::Linear(4, 2));
+            }
+        };
+        auto model = std::make_shared<model_impl>();
+        kfac::torch::tracker<float> tracker;
+        kfac::options opts;
+        opts.skip_layers = {"grouped", "^same$"};
+        kfac::KFAC<> precond(opts);
+        CHECK(kfac::torch::register_modules(precond, tracker, model) == 1);
+        CHECK(tracker.size() == 1);
+        CHECK(precond.is_registered("head"));
+    }
+}
