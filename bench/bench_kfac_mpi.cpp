@@ -110,6 +110,7 @@ double median_step_ms(const kfac_bench::model& m, std::int64_t local_batch, kfac
 /// same run as the steps, so the study's rates describe the machine as the steps saw it.
 struct machine_calibration {
     double kernel_ms = 0, gemm_ms = 0, message_s = 0, allreduce_bytes_per_s = 0, broadcast_bytes_per_s = 0;
+    double empty_step_ms = 0;  ///< a K-FAC step of a 4 × 4 Linear layer: the per-step fixed cost
 };
 
 template <class F>
@@ -140,6 +141,14 @@ machine_calibration calibrate(int world) {
         backend::matrix out;
         c.gemm_ms = 1e3 * slowest_median_s([&] { backend::multiply(q, true, gamma, false, out); }, 9);
     }
+    // The per-step fixed cost (checks, the agreement collective, task start-up, the ranks
+    // meeting again after a step) as one non-update step of a model with one tiny layer.
+    kfac_bench::model tiny;
+    kfac_bench::model_layer layer;
+    layer.name = "tiny";
+    layer.description = kfac::linear_description(4, 4, true);
+    tiny.layers.push_back(layer);
+    c.empty_step_ms = median_step_ms<kfac::compute::eigendecomposition>(tiny, 4, kfac::options{}, 9, false);
     if (world == 1) return c;
     constexpr int messages = 32;
     std::vector<float> small(static_cast<std::size_t>(256 * messages));
@@ -193,9 +202,10 @@ int main(int argc, char** argv) {
         const auto machine = calibrate(world);
         if (rank == 0)
             std::printf("{\"calibration\": true, \"world\": %d, \"kernel_ms\": %.4f, \"gemm_ms\": %.4f, "
-                        "\"message_s\": %.4e, \"allreduce_bytes_per_s\": %.4e, \"broadcast_bytes_per_s\": %.4e}\n",
+                        "\"message_s\": %.4e, \"allreduce_bytes_per_s\": %.4e, \"broadcast_bytes_per_s\": %.4e, "
+                        "\"empty_step_ms\": %.4f}\n",
                         world, machine.kernel_ms, machine.gemm_ms, machine.message_s, machine.allreduce_bytes_per_s,
-                        machine.broadcast_bytes_per_s);
+                        machine.broadcast_bytes_per_s, machine.empty_step_ms);
         struct strategy {
             const char* name;
             kfac::distribution kind;

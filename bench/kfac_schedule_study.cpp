@@ -86,6 +86,7 @@ struct cost_model {
     /// compute slowdown when every rank works at once, relative to one rank, and α, β.
     struct at_world {
         double slowdown = 0, alpha = 0, beta = 0, beta_broadcast = 0;
+        double step_overhead = 0;  ///< seconds: a K-FAC step of one tiny layer
     };
     std::map<int, at_world> measured;
 };
@@ -232,8 +233,11 @@ row evaluate(const model& m, const std::string& model_name, const strategy& s, i
         update = std::max(update, (stats_time[k] + work[k] + precond_time[k]) * slowdown);
         plain = std::max(plain, precond_time[k] * slowdown);
     }
-    r.predicted_update = update + t_allreduce + t_inv_bcast + t_grad_bcast;
-    r.predicted_non_update = plain + t_grad_bcast;
+    // Per-step fixed cost (checks, agreement, ranks meeting again), where it was measured.
+    const auto fixed = c.measured.find(world);
+    const double overhead = fixed != c.measured.end() && ranks_per_node >= world ? fixed->second.step_overhead : 0.0;
+    r.predicted_update = update + t_allreduce + t_inv_bcast + t_grad_bcast + overhead;
+    r.predicted_non_update = plain + t_grad_bcast + overhead;
     return r;
 }
 
@@ -347,7 +351,7 @@ int main(int argc, char** argv) {
             const std::size_t n = v.size();
             return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
         };
-        std::map<int, std::vector<double>> kernel_runs, gemm_runs, message_runs, allreduce_runs, broadcast_runs;
+        std::map<int, std::vector<double>> kernel_runs, gemm_runs, message_runs, allreduce_runs, broadcast_runs, empty_runs;
         struct configuration {
             std::string model, strategy;
             int world = 1, threads = 0;
@@ -369,6 +373,7 @@ int main(int argc, char** argv) {
                     message_runs[w].push_back(mj.at("message_s"));
                     allreduce_runs[w].push_back(mj.at("allreduce_bytes_per_s"));
                     if (mj.contains("broadcast_bytes_per_s")) broadcast_runs[w].push_back(mj.at("broadcast_bytes_per_s"));
+                    if (mj.contains("empty_step_ms")) empty_runs[w].push_back(mj.at("empty_step_ms"));
                     continue;
                 }
                 if (mj.at("method") != method) continue;
@@ -402,9 +407,11 @@ int main(int argc, char** argv) {
                 m.alpha = median(message_runs[w]);
                 m.beta = median(allreduce_runs[w]);
                 if (broadcast_runs.count(w)) m.beta_broadcast = median(broadcast_runs[w]);
+                if (empty_runs.count(w)) m.step_overhead = median(empty_runs[w]) * 1e-3;
                 std::printf("machine at W=%d (%zu run(s)): compute slowdown %.2f, %.3g s per message, %.3g GB/s allreduce, "
-                            "%.3g GB/s broadcast\n",
-                            w, runs.size(), m.slowdown, m.alpha, m.beta / 1e9, m.beta_broadcast / 1e9);
+                            "%.3g GB/s broadcast, %.2f ms per-step fixed cost\n",
+                            w, runs.size(), m.slowdown, m.alpha, m.beta / 1e9, m.beta_broadcast / 1e9,
+                            m.step_overhead * 1e3);
             }
         int outside = 0, compared = 0;
         for (const auto& [key, mc] : measured) {
