@@ -40,27 +40,6 @@ function(_kfac_install_target target export_set)
   install(TARGETS ${target} EXPORT ${export_set} ${file_sets})
 endfunction()
 
-# Absolute include directories that the build found on this machine (the CUDA toolkit's
-# include/cccl) hold only in the build tree: kfacConfig.cmake recomputes them from the
-# consumer's own toolkit.
-function(_kfac_build_tree_only_includes target)
-  foreach(property INTERFACE_INCLUDE_DIRECTORIES INTERFACE_SYSTEM_INCLUDE_DIRECTORIES)
-    get_target_property(dirs ${target} ${property})
-    if(NOT dirs)
-      continue()
-    endif()
-    set(wrapped)
-    foreach(dir IN LISTS dirs)
-      if(IS_ABSOLUTE "${dir}" AND NOT dir MATCHES "^\\$<")
-        list(APPEND wrapped "$<BUILD_INTERFACE:${dir}>")
-      else()
-        list(APPEND wrapped "${dir}")
-      endif()
-    endforeach()
-    set_property(TARGET ${target} PROPERTY ${property} "${wrapped}")
-  endforeach()
-endfunction()
-
 _kfac_install_target(kfac kfac-targets)
 install(EXPORT kfac-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
         COMPONENT kfac_development)
@@ -77,7 +56,6 @@ if(KFAC_HAS_MPI AND TARGET kfac_mpi)
   list(APPEND _kfac_available_components mpi)
 endif()
 if(KFAC_HAS_CUDA AND TARGET kfac_cuda)
-  _kfac_build_tree_only_includes(kfac_cuda)
   _kfac_install_target(kfac_cuda kfac-cuda-targets)
   install(EXPORT kfac-cuda-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
           COMPONENT kfac_development)

@@ -2,19 +2,18 @@
 // quickstart: trains the same small MLP twice on a synthetic three-spiral problem, once with
 // plain SGD and once with SGD on K-FAC preconditioned gradients, and prints both side by side.
 //
-// The network, its forward/backward pass and the data are all written here in plain Eigen, as
-// a host framework would have them; the library only sees each Linear layer through a
+// The network, its forward/backward pass and the data are written in plain Eigen, as a host
+// framework would have them (the Linear layer is the examples' shared one, in
+// common/eigen_mlp.hpp); the library only sees each Linear layer through a
 // kfac::layer_view<float>: four non-owning views of buffers the MLP already keeps.
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <numbers>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -22,12 +21,17 @@
 
 #include <kfac/kfac.hpp>
 
+#include "eigen_mlp.hpp"
+
 namespace {
 
-// kfac's views are C-order (row-major), so the MLP keeps every matrix row-major: the rows of
-// an activation matrix are the samples of a batch, as in PyTorch.
-using matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using row_vector = Eigen::Matrix<float, 1, Eigen::Dynamic>;
+// The Linear layer, the random numbers and the loss are the examples' shared plain-Eigen
+// pieces (common/eigen_mlp.hpp); the tanh MLP and the data are this program's own.
+using kfac_examples::accuracy;
+using kfac_examples::cross_entropy;
+using kfac_examples::linear_layer;
+using kfac_examples::matrix;
+using kfac_examples::random_source;
 
 // ---------------------------------------------------------------------------------------
 // Hyper-parameters
@@ -58,33 +62,6 @@ kfac::options kfac_settings(const settings& s) {
     o.inv_update_steps = 10;    // the eigendecompositions are the costly part and change slowly
     return o;
 }
-
-// ---------------------------------------------------------------------------------------
-// Reproducible random numbers
-// ---------------------------------------------------------------------------------------
-
-// std::mt19937 is specified bit for bit by the standard; the std distributions are not, so
-// uniforms and normals are derived here to give the same data on every standard library.
-class random_source {
-public:
-    explicit random_source(std::uint32_t seed) : engine_(seed) {}
-
-    float uniform() { return static_cast<float>(engine_() >> 8) * (1.0f / 16777216.0f); }  // [0, 1)
-
-    float normal() {  // Box–Muller
-        const float u1 = 1.0f - uniform();  // (0, 1]: log stays finite
-        const float u2 = uniform();
-        return std::sqrt(-2.0f * std::log(u1)) * std::cos(2.0f * std::numbers::pi_v<float> * u2);
-    }
-
-    template <class T>
-    void shuffle(std::vector<T>& v) {  // Fisher–Yates
-        for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[engine_() % i]);
-    }
-
-private:
-    std::mt19937 engine_;
-};
 
 // ---------------------------------------------------------------------------------------
 // Data: three interleaved spirals in the plane
@@ -131,59 +108,8 @@ dataset subset(const dataset& d, const std::vector<int>& rows) {
 }
 
 // ---------------------------------------------------------------------------------------
-// The model: Linear layers with their own backward pass
+// The model: the shared Linear layers with tanh between them
 // ---------------------------------------------------------------------------------------
-
-/// y = x Wᵀ + b. Like a framework's layer with hooks, it keeps the input of its last forward
-/// pass and the gradient w.r.t. its output from the last backward pass: K-FAC's A and G
-/// factors are built from exactly these two.
-struct linear_layer {
-    matrix weight;       // [out, in]
-    row_vector bias;     // [out]
-    matrix grad_weight;  // [out, in]
-    row_vector grad_bias;
-    matrix input;        // [batch, in]
-    matrix grad_output;  // [batch, out]
-
-    /// What K-FAC reads and writes. The preconditioner keeps a pointer to it, so the layer
-    /// must not move after register_layer().
-    kfac::layer_view<float> view;
-
-    linear_layer(int in, int out, random_source& rng)
-        : weight(out, in), bias(row_vector::Zero(out)) {
-        const float scale = std::sqrt(1.0f / static_cast<float>(in));  // LeCun normal
-        for (Eigen::Index i = 0; i < weight.size(); ++i) weight.data()[i] = scale * rng.normal();
-        view.description = kfac::linear_description(in, out, /*bias=*/true);
-    }
-
-    matrix forward(const matrix& x) {
-        input = x;
-        matrix z = x * weight.transpose();
-        z.rowwise() += bias;
-        return z;
-    }
-
-    matrix backward(const matrix& dz) {
-        grad_output = dz;
-        grad_weight.noalias() = dz.transpose() * input;
-        grad_bias = dz.colwise().sum();
-        return dz * weight;
-    }
-
-    /// Points the views at the current buffers. Needed before each K-FAC step because Eigen
-    /// reallocates when the batch size changes (the last batch of an epoch is smaller).
-    void point_views() {
-        view.input = {input.data(), {input.rows(), input.cols()}};
-        view.grad_output = {grad_output.data(), {grad_output.rows(), grad_output.cols()}};
-        view.grad_weight = {grad_weight.data(), {grad_weight.rows(), grad_weight.cols()}};
-        view.grad_bias = {grad_bias.data(), {grad_bias.cols()}};
-    }
-
-    void sgd_update(float lr) {
-        weight -= lr * grad_weight;
-        bias -= lr * grad_bias;
-    }
-};
 
 /// 2 → hidden → hidden → 3 with tanh between the layers.
 struct mlp {
@@ -191,9 +117,9 @@ struct mlp {
 
     mlp(int hidden, random_source& rng) {
         layers.reserve(3);
-        layers.emplace_back(2, hidden, rng);
-        layers.emplace_back(hidden, hidden, rng);
-        layers.emplace_back(hidden, 3, rng);
+        layers.emplace_back(2, hidden, rng, 1.0f);  // LeCun normal, for tanh
+        layers.emplace_back(hidden, hidden, rng, 1.0f);
+        layers.emplace_back(hidden, 3, rng, 1.0f);
     }
 
     matrix forward(const matrix& x) {
@@ -214,34 +140,7 @@ struct mlp {
     }
 };
 
-/// Mean softmax cross-entropy. Writes d(loss)/d(logits) to `grad` when it is not null: each
-/// row carries the 1/batch factor of the mean, as a framework's autograd delivers it, which
-/// is what K-FAC's G factor expects.
-float cross_entropy(const matrix& logits, const std::vector<int>& labels, matrix* grad) {
-    const auto n = logits.rows();
-    matrix p = (logits.colwise() - logits.rowwise().maxCoeff()).array().exp().matrix();
-    p.array().colwise() /= p.rowwise().sum().array();
-    double loss = 0.0;
-    for (Eigen::Index i = 0; i < n; ++i)
-        loss -= std::log(std::max(p(i, labels[static_cast<std::size_t>(i)]), 1e-30f));
-    if (grad) {
-        *grad = p;
-        for (Eigen::Index i = 0; i < n; ++i) (*grad)(i, labels[static_cast<std::size_t>(i)]) -= 1.0f;
-        *grad /= static_cast<float>(n);
-    }
-    return static_cast<float>(loss / static_cast<double>(n));
-}
-
-double accuracy(mlp& model, const dataset& d) {
-    const matrix logits = model.forward(d.x);
-    int correct = 0;
-    for (Eigen::Index i = 0; i < logits.rows(); ++i) {
-        Eigen::Index best = 0;
-        logits.row(i).maxCoeff(&best);
-        correct += best == d.y[static_cast<std::size_t>(i)];
-    }
-    return static_cast<double>(correct) / static_cast<double>(logits.rows());
-}
+double test_accuracy(mlp& model, const dataset& d) { return accuracy(model.forward(d.x), d.y); }
 
 // ---------------------------------------------------------------------------------------
 // Training
@@ -337,7 +236,7 @@ int main() {
             rng.shuffle(order);
             for (run* r : {&sgd, &kf}) {
                 r->last_loss = train_epoch(*r, train, order, s);
-                r->last_accuracy = accuracy(r->model, test);
+                r->last_accuracy = test_accuracy(r->model, test);
                 if (r->last_accuracy > r->best_accuracy) {
                     r->best_accuracy = r->last_accuracy;
                     r->best_epoch = epoch;

@@ -2,8 +2,9 @@
 #pragma once
 /// @file eigen_mlp.hpp
 /// A small multi-layer perceptron written in plain Eigen, as a host framework would have it,
-/// shared by the digits examples (single process and data-parallel): Linear layers with their
-/// own backward pass, ReLU between them, mean softmax cross-entropy, and SGD with momentum.
+/// shared by the examples (quickstart, and the digits ones in one process and data-parallel):
+/// Linear layers with their own backward pass, a ReLU MLP, mean softmax cross-entropy, and SGD
+/// with momentum.
 ///
 /// kfac only sees each Linear layer through a kfac::layer_view<float>: four non-owning views
 /// of buffers the layer already keeps (its last input, the gradient w.r.t. its output, and
@@ -72,11 +73,12 @@ struct linear_layer {
     /// not move after register_layer().
     kfac::layer_view<float> view;
 
-    linear_layer(int in, int out, random_source& rng)
+    /// Weights drawn from N(0, gain / in): gain 2 (He) suits ReLU, gain 1 (LeCun) tanh.
+    linear_layer(int in, int out, random_source& rng, float gain = 2.0f)
         : weight(out, in), bias(row_vector::Zero(out)), grad_weight(matrix::Zero(out, in)),
           grad_bias(row_vector::Zero(out)), velocity_weight(matrix::Zero(out, in)),
           velocity_bias(row_vector::Zero(out)) {
-        const float scale = std::sqrt(2.0f / static_cast<float>(in));  // He normal, for ReLU
+        const float scale = std::sqrt(gain / static_cast<float>(in));
         for (Eigen::Index i = 0; i < weight.size(); ++i) weight.data()[i] = scale * rng.normal();
         view.description = kfac::linear_description(in, out, /*bias=*/true);
     }
@@ -102,6 +104,11 @@ struct linear_layer {
         view.grad_output = {grad_output.data(), {grad_output.rows(), grad_output.cols()}};
         view.grad_weight = {grad_weight.data(), {grad_weight.rows(), grad_weight.cols()}};
         view.grad_bias = {grad_bias.data(), {grad_bias.cols()}};
+    }
+
+    void sgd_update(float lr) {
+        weight -= lr * grad_weight;
+        bias -= lr * grad_bias;
     }
 
     void sgd_momentum_update(float lr, float momentum) {

@@ -175,25 +175,6 @@ TEST_CASE("eigenvalue products, clamping and identities match the CPU backend", 
     CHECK(id == cpu::scaled_identity(5, T(1.25)));
 }
 
-TEST_CASE("gradient gather/scatter are the CPU backend's load/store", "[cuda][kernels]") {
-    using T = double;
-    using cpu = kfac::backend::cpu_eigen<T>;
-    const index out = 3, in = 4;
-    auto w = random_vector<T>(static_cast<std::size_t>(out * in), 9);
-    auto b = random_vector<T>(static_cast<std::size_t>(out), 10);
-    cpu::matrix gamma_cpu;
-    cpu::load_gradient(gamma_cpu, kfac::tensor_view<const T>(w.data(), {out, in}), kfac::tensor_view<const T>(b.data(), {out}));
-    cpu::matrix gamma(in + 1, out);
-    kernels::gather_gradient(thrust::cpp::par, w.data(), b.data(), in + 1, out, in, gamma.data());
-    CHECK(gamma == gamma_cpu);
-
-    auto w_cpu = w, b_cpu = b;
-    cpu::store_gradient(gamma_cpu, T(0.5), kfac::tensor_view<T>(w_cpu.data(), {out, in}), kfac::tensor_view<T>(b_cpu.data(), {out}));
-    kernels::scatter_gradient(thrust::cpp::par, gamma.data(), in + 1, out, in, T(0.5), w.data(), b.data());
-    CHECK(w == w_cpu);
-    CHECK(b == b_cpu);
-}
-
 TEST_CASE("finiteness counts and the double-accumulated dot product", "[cuda][kernels]") {
     using T = float;
     const index n = 4;

@@ -172,26 +172,6 @@ void multiply_elementwise(Policy&& policy, T* v, const T* d, index count) {
     for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { v[t] = v[t] * d[t]; });
 }
 
-/// Γᵀ's columns written back as weight rows: w[j·cols + i] = s·P(i, j) and, when b is not
-/// null, b[j] = s·P(cols, j). P is a_dim × rows, column-major.
-template <class Policy, class T>
-void scatter_gradient(Policy&& policy, const T* p, index a_dim, index rows, index cols, T s, T* w, T* b) {
-    for_each_index(policy, a_dim * rows, [=] KFAC_HOST_DEVICE(index t) {
-        const index i = t % a_dim, j = t / a_dim;
-        if (i < cols) w[j * cols + i] = s * p[t];
-        else if (b) b[j] = s * p[t];
-    });
-}
-
-/// The inverse of scatter_gradient without scaling: Γᵀ(i, j) from weight row j and b[j].
-template <class Policy, class T>
-void gather_gradient(Policy&& policy, const T* w, const T* b, index a_dim, index rows, index cols, T* gamma) {
-    for_each_index(policy, a_dim * rows, [=] KFAC_HOST_DEVICE(index t) {
-        const index i = t % a_dim, j = t / a_dim;
-        gamma[t] = i < cols ? w[j * cols + i] : b[j];
-    });
-}
-
 /// Number of non-finite values among the first `count` (or, with n > 0, in the lower
 /// triangle of an n × n matrix).
 template <class T>
