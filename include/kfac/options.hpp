@@ -5,8 +5,11 @@
 /// schedule: a function of the step number k (the count of completed step() calls),
 /// evaluated when it is read, exactly as kfac-pytorch evaluates its callables.
 
+#include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <cstdio>
+#include <limits>
 #include <functional>
 #include <optional>
 #include <string>
@@ -125,8 +128,66 @@ struct options {
 
 namespace detail {
 
+/// A number as a person reads it in a message: 6 significant digits, 1e-50 stays 1e-50
+/// (std::to_string would print 0.000000).
+inline std::string number_text(double v) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%.6g", v);
+    return buffer;
+}
+
+/// How a message names an option's value: "options.lr = 0.1" for a constant,
+/// "options.lr evaluated to 0.1 at step 3" for a schedule.
+inline std::string option_text(const char* name, const std::string& value, std::optional<std::int64_t> step) {
+    std::string s = std::string("options.") + name;
+    if (!step) return s + " = " + value;
+    return s + " evaluated to " + value + " at step " + std::to_string(*step);
+}
+
 inline void require(bool ok, const std::string& message) {
     if (!ok) throw error(message);
+}
+
+// The checks of each hyper-parameter, shared by validate() (constants, at construction) and
+// the step plan (schedules, when read). `step` is the step a schedule was read at.
+
+inline void check_damping(double d, std::optional<std::int64_t> step = std::nullopt) {
+    require(std::isfinite(d) && d > 0.0, option_text("damping", number_text(d), step) +
+                                             " is invalid: damping must be finite and > 0 (try 0.001)");
+}
+
+/// The preconditioner divides by the damping in the factors' precision (1/(λ_G·λ_A + γ) for
+/// a zero eigenvalue, (F + γI)⁻¹ for a singular factor), so 1/γ must be finite there: a γ
+/// that underflows (1e-50 in float) would turn every gradient into 0 or Inf.
+template <class Scalar>
+void check_damping_representable(double d, std::optional<std::int64_t> step = std::nullopt) {
+    const auto s = static_cast<Scalar>(d);
+    if (s > Scalar(0) && std::isfinite(Scalar(1) / s)) return;
+    const char* type = sizeof(Scalar) == sizeof(float) ? "float" : "double";
+    throw error(option_text("damping", number_text(d), step) + " is too small for " + type +
+                ": the preconditioner divides by the damping, so 1/damping must be finite in " + type +
+                " (damping >= " + number_text(1.0 / static_cast<double>(std::numeric_limits<Scalar>::max())) +
+                "); use a larger damping (typical values are 1e-4 to 1e-1)");
+}
+
+inline void check_factor_decay(double d, std::optional<std::int64_t> step = std::nullopt) {
+    require(d >= 0.0 && d < 1.0, option_text("factor_decay", number_text(d), step) +
+                                     " is invalid: it must lie in [0, 1) (try 0.95)");
+}
+
+inline void check_kl_clip(const std::optional<double>& c, std::optional<std::int64_t> step = std::nullopt) {
+    require(!c || (std::isfinite(*c) && *c > 0.0),
+            option_text("kl_clip", c ? number_text(*c) : std::string("nullopt"), step) +
+                " is invalid: it must be finite and > 0, or std::nullopt for no clipping");
+}
+
+inline void check_lr(double lr, std::optional<std::int64_t> step = std::nullopt) {
+    require(std::isfinite(lr) && lr >= 0.0,
+            option_text("lr", number_text(lr), step) + " is invalid: it must be finite and >= 0");
+}
+
+inline void check_interval(const char* name, std::int64_t v, std::optional<std::int64_t> step = std::nullopt) {
+    require(v > 0, option_text(name, std::to_string(v), step) + " is invalid: it must be a positive number of steps");
 }
 
 }  // namespace detail
@@ -136,43 +197,22 @@ inline void require(bool ok, const std::string& message) {
 inline void validate(const options& o) {
     using detail::require;
     constexpr std::int64_t k0 = 0;
-    if (!o.damping.is_schedule()) {
-        const double d = o.damping(k0);
-        require(d > 0.0, "options.damping = " + std::to_string(d) +
-                             " is invalid: damping must be > 0 (try 0.001)");
-    }
-    if (!o.factor_decay.is_schedule()) {
-        const double d = o.factor_decay(k0);
-        require(d >= 0.0 && d < 1.0, "options.factor_decay = " + std::to_string(d) +
-                                         " is invalid: it must lie in [0, 1) (try 0.95)");
-    }
-    if (!o.kl_clip.is_schedule()) {
-        const auto c = o.kl_clip(k0);
-        require(!c || *c > 0.0, "options.kl_clip = " + std::to_string(c.value_or(0.0)) +
-                                    " is invalid: it must be > 0, or std::nullopt for none");
-    }
-    if (!o.lr.is_schedule()) {
-        const double lr = o.lr(k0);
-        require(lr >= 0.0, "options.lr = " + std::to_string(lr) + " is invalid: it must be >= 0");
-    }
-    if (!o.factor_update_steps.is_schedule()) {
-        const auto f = o.factor_update_steps(k0);
-        require(f > 0, "options.factor_update_steps = " + std::to_string(f) +
-                           " is invalid: it must be a positive number of steps");
-    }
-    if (!o.inv_update_steps.is_schedule()) {
-        const auto i = o.inv_update_steps(k0);
-        require(i > 0, "options.inv_update_steps = " + std::to_string(i) +
-                           " is invalid: it must be a positive number of steps");
-    }
+    if (!o.damping.is_schedule()) detail::check_damping(o.damping(k0));
+    if (!o.factor_decay.is_schedule()) detail::check_factor_decay(o.factor_decay(k0));
+    if (!o.kl_clip.is_schedule()) detail::check_kl_clip(o.kl_clip(k0));
+    if (!o.lr.is_schedule()) detail::check_lr(o.lr(k0));
+    if (!o.factor_update_steps.is_schedule()) detail::check_interval("factor_update_steps", o.factor_update_steps(k0));
+    if (!o.inv_update_steps.is_schedule()) detail::check_interval("inv_update_steps", o.inv_update_steps(k0));
     require(o.accumulation_steps > 0, "options.accumulation_steps = " +
                                           std::to_string(o.accumulation_steps) +
                                           " is invalid: it must be >= 1");
     require(o.threads >= 0, "options.threads = " + std::to_string(o.threads) +
                                 " is invalid: it must be >= 0 (0: from the environment)");
-    require(o.allreduce_bucket_cap_mb >= 0.0, "options.allreduce_bucket_cap_mb = " +
-                                                  std::to_string(o.allreduce_bucket_cap_mb) +
-                                                  " is invalid: it must be >= 0 (0: no bucketing)");
+    // A cap beyond 2⁴⁰ MiB would overflow the byte count; no real bucket comes near it.
+    require(std::isfinite(o.allreduce_bucket_cap_mb) && o.allreduce_bucket_cap_mb >= 0.0 &&
+                o.allreduce_bucket_cap_mb <= 1099511627776.0,
+            "options.allreduce_bucket_cap_mb = " + detail::number_text(o.allreduce_bucket_cap_mb) +
+                " is invalid: it must be finite and >= 0 (0: no bucketing; 25 is the default)");
     require(o.grad_worker_fraction >= 0.0 && o.grad_worker_fraction <= 1.0,
             "options.grad_worker_fraction = " + std::to_string(o.grad_worker_fraction) +
                 " is invalid: it must lie in [0, 1] (kfac::comm_opt, kfac::hybrid_opt, kfac::mem_opt)");

@@ -5,8 +5,10 @@
 /// layers through kfac::layer_traits and, at each step(), replaces their weight and bias
 /// gradients in place by K-FAC preconditioned ones (golden/README.md is the contract).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <regex>
@@ -20,10 +22,11 @@
 #include "kfac/config.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/detail/compute_impl.hpp"
-#include "kfac/detail/digest.hpp"
+#include "kfac/detail/configuration_check.hpp"
 #include "kfac/detail/task_parallel.hpp"
 #include "kfac/detail/host_staging.hpp"
 #include "kfac/detail/layer_checks.hpp"
+#include "kfac/detail/step_plan.hpp"
 #include "kfac/fwd.hpp"
 #include "kfac/layers/layer_traits.hpp"
 #include "kfac/options.hpp"
@@ -60,18 +63,23 @@ public:
     using scalar_type = typename Backend::scalar_type;
     using matrix = typename Backend::matrix;
 
+    /// Collective under a CommPolicy with several ranks: every rank constructs its
+    /// preconditioner together, and an invalid option on any rank is an error on all.
     /// @throws kfac::error if an option is out of range or a skip pattern is not a regex.
     explicit preconditioner(options opts = {}, CommPolicy comm = {})
         : options_(std::move(opts)), comm_(std::move(comm)) {
-        validate(options_);
-        for (const auto& pattern : options_.skip_layers) {
-            try {
-                skip_patterns_.emplace_back(pattern, std::regex::ECMAScript);
-            } catch (const std::regex_error& e) {
-                throw error("options.skip_layers: '" + pattern +
-                            "' is not a valid ECMAScript regular expression (" + e.what() + ")");
+        agree_on([&] {
+            validate(options_);
+            if (!options_.damping.is_schedule()) detail::check_damping_representable<scalar_type>(options_.damping(0));
+            for (const auto& pattern : options_.skip_layers) {
+                try {
+                    skip_patterns_.emplace_back(pattern, std::regex::ECMAScript);
+                } catch (const std::regex_error& e) {
+                    throw error("options.skip_layers: '" + pattern +
+                                "' is not a valid ECMAScript regular expression (" + e.what() + ")");
+                }
             }
-        }
+        });
     }
 
     /// Registers a layer under a unique name. The preconditioner keeps a pointer to `layer`,
@@ -91,10 +99,16 @@ public:
             if (steps_ > 0 || started_)
                 throw error("layer '" + name + "': register_layer() after the first accumulate() "
                             "or step(); register every layer before training starts");
-            for (const auto& l : layers_)
+            for (const auto& l : layers_) {
                 if (l.name == name)
                     throw error("layer '" + name + "' is already registered; give each layer a "
                                 "unique name");
+                // Two registrations of one object would fold its statistics in twice and
+                // precondition its gradient twice.
+                if (l.layer == static_cast<void*>(&layer))
+                    throw error("layer '" + name + "': this layer object is already registered as '" + l.name +
+                                "'; register each layer object once, under one name");
+            }
             const layer_description d = traits::describe(layer);
             if (skipped(name, d.kind)) return false;
             detail::check_description(name, d);
@@ -128,49 +142,59 @@ public:
     /// Folds the current forward/backward pass into the batch statistics. With
     /// accumulation_steps = m, call it after each of the first m − 1 passes of a step; step()
     /// takes the last pass itself. Does nothing on steps that do not update factors.
-    /// @throws kfac::error on a view that disagrees with its layer, or when called m times.
+    /// Collective under a CommPolicy with several ranks.
+    /// @throws kfac::error on a view that disagrees with its layer, or when called m times;
+    ///         the preconditioner is then as it was before the call.
     void accumulate() {
         setup();
-        const std::int64_t k = steps_;
-        if (!is_factor_update_step(k)) return;
-        if (passes_ + 1 >= options_.accumulation_steps)
-            throw error("accumulate() called " + std::to_string(passes_ + 1) +
-                        " times in one step with accumulation_steps = " +
-                        std::to_string(options_.accumulation_steps) +
-                        "; call it after each of the first accumulation_steps - 1 passes only, "
-                        "step() takes the last pass");
-        agree_on([&] { check_statistics(); });
+        bool factor_update = false;
+        agree_on([&] {
+            factor_update = detail::is_factor_update_step(options_, steps_);
+            if (!factor_update) return;
+            if (passes_ + 1 >= options_.accumulation_steps)
+                throw error("accumulate() called " + std::to_string(passes_ + 1) +
+                            " times in one step with accumulation_steps = " +
+                            std::to_string(options_.accumulation_steps) +
+                            "; call it after each of the first accumulation_steps - 1 passes only, "
+                            "step() takes the last pass");
+            check_statistics();
+        });
+        if (!factor_update) return;
         capture_pass();
+        for (auto& l : layers_) l.captured_rows = total_rows(l);
+        ++passes_;
     }
 
-    /// One preconditioning step: factor update (if due), second-order update (if due),
-    /// preconditioning of every layer, kl_clip scaling, and the gradients written back.
-    /// With several ranks every rank must call it; an error on any rank (a view that
-    /// disagrees with its layer, say) is raised on every rank, so none waits in a collective.
+    /// One preconditioning step, the pipeline of K-FAC:
+    ///   plan     read every scheduled option and check every view (agreed by all ranks)
+    ///   capture  this pass's factor statistics        (factor-update steps)
+    ///   update   running factors, averaged over ranks (factor-update steps)
+    ///   decompose and share the second-order data     (inverse-update steps)
+    ///   precondition every layer, share the results, agree on which are usable
+    ///   clip     one kl_clip scale ν for the whole model
+    ///   write    the scaled gradients back into the host's buffers
+    ///   commit   the step count and health counters, then report non-finite events.
+    /// With several ranks every rank must call it; a failure on any rank is raised on every
+    /// rank, so none waits in a collective.
     /// @throws kfac::error on a view that disagrees with its layer, on missing activations
-    ///         on a factor-update step, or on a scheduled option out of range.
+    ///         on a factor-update step, or on a scheduled option out of range: all found
+    ///         before anything changes, so the preconditioner is as it was before the call.
+    ///         A device or transport failure later in the step leaves it usable, with the
+    ///         step not counted. An exception thrown by the on_non_finite callback propagates
+    ///         after the step has completed and the gradients were written.
     void step() {
         setup();
-        const std::int64_t k = steps_;
-        const bool factor_update = is_factor_update_step(k);
-        const double damping = read_damping(k);
-        const bool inverse_update = k % read_interval(options_.inv_update_steps, k, "inv_update_steps") == 0;
-        agree_on([&] {
-            if (factor_update) check_statistics();
-            check_gradients();
-        });
-        if (factor_update) {
+        const detail::step_plan plan = read_plan();
+        step_outcome outcome;
+        if (plan.factor_update) {
             capture_pass();
-            if (passes_ != options_.accumulation_steps)
-                throw error("step() after " + std::to_string(passes_) + " pass(es) with "
-                            "accumulation_steps = " + std::to_string(options_.accumulation_steps) +
-                            "; call accumulate() after each of the first accumulation_steps - 1 "
-                            "forward/backward passes");
-            update_factors(k);
+            update_factors(plan, outcome);
         }
-        if (inverse_update) update_second_order(k, damping);
-        precondition_all(k, damping);
-        ++steps_;
+        if (plan.inverse_update) update_second_order(plan, outcome);
+        precondition_all(plan, outcome);
+        const double scale = kl_clip_scale(plan);
+        write_back(scale);
+        commit(plan, scale, std::move(outcome));
     }
 
     /// Number of completed step() calls.
@@ -238,7 +262,8 @@ private:
         typename method::workspace method_ws{};
         matrix gamma, preconditioned;  // Γᵀ and Pᵀ (A_dim × G_dim), see Backend::load_gradient
         bool usable = true;  // false: this step's gradient is zeroed
-        scalar_type captured_rows = 0;  // rows folded into this step's statistics
+        scalar_type captured_rows = 0;  // rows of the passes accumulate() folded in
+        scalar_type pass_rows = 0;      // rows of the pass capture_pass() folded in last
         layer_plan plan{};
     };
 
@@ -258,35 +283,29 @@ private:
         throw error("no layer named '" + name + "' is registered");
     }
 
-    std::int64_t read_interval(const hyperparameter<std::int64_t>& h, std::int64_t k,
-                               const char* what) const {
-        const std::int64_t v = h(k);
-        if (v <= 0)
-            throw error(std::string("options.") + what + " evaluated to " + std::to_string(v) +
-                        " at step " + std::to_string(k) + "; it must be a positive number of steps");
-        return v;
-    }
+    /// What a step met that is counted and reported only when it completes.
+    struct step_outcome {
+        health_counters health{};
+        std::vector<non_finite_event> events;
+        void add(const layer_record& l, non_finite_source source, std::int64_t k, std::int64_t health_counters::*counter) {
+            ++(health.*counter);
+            events.push_back({l.name, source, k});
+        }
+    };
 
-    bool is_factor_update_step(std::int64_t k) const {
-        return k % read_interval(options_.factor_update_steps, k, "factor_update_steps") == 0;
-    }
-
-    double read_damping(std::int64_t k) const {
-        const double d = options_.damping(k);
-        if (!(d > 0.0))
-            throw error("options.damping evaluated to " + std::to_string(d) + " at step " +
-                        std::to_string(k) + "; damping must be > 0");
-        return d;
-    }
-
-    /// Runs local checks and raises the first failure on every rank.
-    template <class Checks>
-    void agree_on(Checks&& checks) {
+    /// Runs work that can fail on some ranks only (checks, local computation) and raises the
+    /// first failure on every rank, so that no rank goes on into a collective that a failed
+    /// rank will never join. Collective; free with one rank.
+    template <class Work>
+    void agree_on(Work&& work) {
         std::optional<std::string> failure;
         try {
-            checks();
+            work();
         } catch (const error& e) {
             failure = strip_prefix(e.what());
+        } catch (const std::exception& e) {
+            if (comm_.size() == 1) throw;  // alone, the original exception is the best report
+            failure = e.what();
         }
         if (auto agreed = comm_.agree(failure)) throw error(*agreed);
     }
@@ -310,51 +329,99 @@ private:
         return what.rfind("kfac: ", 0) == 0 ? what.substr(6) : what;
     }
 
+    /// Every scheduled option this step reads, and every view it will read, checked before
+    /// anything changes; every rank reaches the same verdict.
+    detail::step_plan read_plan() {
+        detail::step_plan plan;
+        agree_on([&] {
+            plan = detail::read_step_plan<scalar_type>(options_, steps_);
+            if (plan.factor_update) {
+                if (passes_ + 1 != options_.accumulation_steps)
+                    throw error("step() after " + std::to_string(passes_) + " accumulate() call(s) with "
+                                "accumulation_steps = " + std::to_string(options_.accumulation_steps) +
+                                "; call accumulate() after each of the first accumulation_steps - 1 "
+                                "forward/backward passes, and step() after the last");
+                check_statistics();
+            }
+            check_gradients();
+        });
+        return plan;
+    }
+
     void check_statistics() const {
         for (const auto& l : layers_)
             if (l.plan.holds_factors)
-                detail::check_statistics_views(l.name, l.description, l.activations(l.layer),
-                                               l.output_gradients(l.layer), steps_, device_backend);
+                in_layer(l, [&] {
+                    detail::check_statistics_views(l.name, l.description, l.activations(l.layer),
+                                                   l.output_gradients(l.layer), steps_, device_backend);
+                });
     }
 
     void check_gradients() const {
         for (const auto& l : layers_)
-            detail::check_gradient_views(l.name, l.description, l.weight_gradient(l.layer),
-                                         l.bias_gradient(l.layer), device_backend);
+            in_layer(l, [&] {
+                detail::check_gradient_views(l.name, l.description, l.weight_gradient(l.layer),
+                                             l.bias_gradient(l.layer), device_backend);
+            });
     }
 
-    [[nodiscard]] std::uint64_t configuration_digest() const {
-        detail::digest d;
-        d.add(layers_.size()).add(sizeof(scalar_type)).add(options_.accumulation_steps);
-        d.add(options_.compute_eigenvalue_outer_product).add(options_.conv_patches).add(options_.strategy);
-        d.add(options_.grad_worker_fraction).add(options_.colocate_factors);
-        d.add(options_.allreduce_bucket_cap_mb).add(options_.symmetry_aware);
-        for (const auto* h : {&options_.damping, &options_.factor_decay, &options_.lr})
-            d.add(h->is_schedule() ? -1.0 : (*h)(0));
-        for (const auto* h : {&options_.factor_update_steps, &options_.inv_update_steps})
-            d.add(h->is_schedule() ? std::int64_t{-1} : (*h)(0));
-        d.add(options_.kl_clip.is_schedule() ? -2.0 : options_.kl_clip(0).value_or(-1.0));
-        for (const auto& l : layers_) {
-            const auto& x = l.description;
-            d.add(l.name).add(x.kind).add(x.in).add(x.out).add(x.bias).add(x.conv.kernel);
-            d.add(x.conv.stride).add(x.conv.padding).add(x.conv.dilation).add(x.conv.groups);
-        }
-        return d.value();
+    /// What every rank must agree on: the layers in order, then the options that shape the
+    /// computation (a schedule is code; only its presence is compared).
+    [[nodiscard]] std::vector<detail::config_item> configuration() const {
+        using detail::exact_number_text;
+        std::vector<detail::config_item> items;
+        for (std::size_t i = 0; i < layers_.size(); ++i)
+            items.push_back({"layer #" + std::to_string(i), detail::layer_signature(layers_[i].name, layers_[i].description)});
+        items.push_back({"the scalar type", sizeof(scalar_type) == sizeof(float) ? "float" : "double"});
+        auto number = [&](const char* name, const hyperparameter<double>& h) {
+            items.push_back({std::string("options.") + name, h.is_schedule() ? "a schedule" : exact_number_text(h(0))});
+        };
+        auto count = [&](const char* name, const hyperparameter<std::int64_t>& h) {
+            items.push_back({std::string("options.") + name, h.is_schedule() ? "a schedule" : std::to_string(h(0))});
+        };
+        number("damping", options_.damping);
+        number("factor_decay", options_.factor_decay);
+        number("lr", options_.lr);
+        items.push_back({"options.kl_clip", options_.kl_clip.is_schedule() ? "a schedule"
+                                            : options_.kl_clip(0) ? exact_number_text(*options_.kl_clip(0))
+                                                                  : "none"});
+        count("factor_update_steps", options_.factor_update_steps);
+        count("inv_update_steps", options_.inv_update_steps);
+        auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
+        items.push_back({"options.accumulation_steps", std::to_string(options_.accumulation_steps)});
+        items.push_back({"options.compute_eigenvalue_outer_product", flag(options_.compute_eigenvalue_outer_product)});
+        items.push_back({"options.conv_patches", options_.conv_patches == conv_patch_mode::reference ? "reference" : "dilated"});
+        items.push_back({"options.strategy", options_.strategy == distribution::kaisa ? "kaisa" : "dp_kfac"});
+        items.push_back({"options.grad_worker_fraction", exact_number_text(options_.grad_worker_fraction)});
+        items.push_back({"options.colocate_factors", flag(options_.colocate_factors)});
+        items.push_back({"options.allreduce_bucket_cap_mb", exact_number_text(options_.allreduce_bucket_cap_mb)});
+        items.push_back({"options.symmetry_aware", flag(options_.symmetry_aware)});
+        return items;
+    }
+
+    /// Ranks compare one digest of their configuration; when they differ, rank 0's
+    /// configuration travels to every rank, and the first rank that differs names the first
+    /// layer or option where it does. Collective.
+    void check_configuration_agrees() {
+        const auto items = configuration();
+        const auto digests = comm_.allgather(detail::configuration_digest(items));
+        if (std::all_of(digests.begin(), digests.end(), [&](auto d) { return d == digests[0]; })) return;
+        const auto reference = detail::deserialize(comm_.broadcast_text(detail::serialize(items), 0));
+        if (auto agreed = comm_.agree(detail::first_difference(reference, items, comm_.rank()))) throw error(*agreed);
+        throw error("ranks disagree on the registered layers or the options (their digests differ); register the "
+                    "same layers, in the same order, with the same shapes and options on every rank");
     }
 
     /// Once, at the first accumulate()/step(): checks that all ranks agree, places the
     /// second-order work and builds the communication groups. Collective.
     void setup() {
         if (started_) return;
-        threads_ = options_.threads > 0 ? options_.threads : detail::default_thread_count(comm_.size());
-        if constexpr (device_backend) threads_ = 1;  // a device backend queues from one host thread
-        const auto digests = comm_.allgather(configuration_digest());
-        for (std::size_t r = 1; r < digests.size(); ++r)
-            if (digests[r] != digests[0])
-                throw error("ranks disagree on the registered layers or the options: rank 0 and rank " +
-                            std::to_string(r) + " differ (" + std::to_string(layers_.size()) +
-                            " layer(s) here). Register the same layers, in the same order, with the same "
-                            "shapes and options on every rank");
+        int threads = 1;
+        agree_on([&] {
+            threads = options_.threads > 0 ? options_.threads : detail::default_thread_count(comm_.size());
+        });
+        if constexpr (device_backend) threads = 1;  // a device backend queues from one host thread
+        check_configuration_agrees();
         const int world = comm_.size(), me = comm_.rank();
         std::vector<std::pair<std::int64_t, std::int64_t>> dims;
         for (const auto& l : layers_) dims.emplace_back(l.description.a_dim(), l.description.g_dim());
@@ -373,6 +440,7 @@ private:
                 p.grad_root = owners[i].a;
             }
             gradient_group_ = comm_.world();
+            threads_ = threads;
             started_ = true;
             return;
         }
@@ -405,14 +473,17 @@ private:
             if (p.grad_worker && !(p.computes_a && p.computes_g))
                 method::prepare_receive(l.second, l.description.a_dim(), l.description.g_dim(), options_);
         }
+        threads_ = threads;
         started_ = true;
     }
 
-    void report(const layer_record& l, non_finite_source source, std::int64_t k) {
-        if (on_non_finite_) on_non_finite_(non_finite_event{l.name, source, k});
+    /// Rows of this step's statistics so far, the pass just captured included.
+    scalar_type total_rows(const layer_record& l) const {
+        return (passes_ == 0 ? scalar_type(0) : l.captured_rows) + l.pass_rows;
     }
 
-    /// Folds this pass's statistics into a_sum/g_sum; one task per factor.
+    /// Folds this pass's statistics into a_sum/g_sum (scratch until the step commits; the
+    /// first pass overwrites them); one task per factor.
     void capture_pass() {
         const scalar_type beta = passes_ == 0 ? scalar_type(0) : scalar_type(1);
         std::vector<detail::task> tasks;
@@ -421,7 +492,7 @@ private:
             const auto a = l.activations(l.layer);
             const auto g = l.output_gradients(l.layer);
             const auto rows = l.description.kind == layer_kind::linear ? detail::leading_rows(a) : a.extent(0);
-            l.captured_rows = (passes_ == 0 ? scalar_type(0) : l.captured_rows) + static_cast<scalar_type>(rows);
+            l.pass_rows = static_cast<scalar_type>(rows);
             const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
             // Cost ∝ rows of the product × n²: the input elements stand in for rows × n.
             tasks.push_back({static_cast<double>(a.size()) * n_a, [&l, a, beta, this] {
@@ -436,34 +507,32 @@ private:
                                  });
                              }});
         }
-        detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
-        ++passes_;
+        agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
     }
 
     /// Running averages F ← ξF + (1 − ξ)F̂. Under KAISA with several ranks F̂ is the average
     /// of the ranks' batch statistics weighted by their rows (equal to KAISA's plain average
     /// for equal local batches, and exact for unequal ones), summed in one bucketed
     /// allreduce pass that also carries the weights.
-    void update_factors(std::int64_t k) {
-        const double decay = options_.factor_decay(k);
-        if (!(decay >= 0.0 && decay < 1.0))
-            throw error("options.factor_decay evaluated to " + std::to_string(decay) +
-                        " at step " + std::to_string(k) + "; it must lie in [0, 1)");
+    void update_factors(const detail::step_plan& plan, step_outcome& outcome) {
+        const double decay = plan.factor_decay;
         const auto xi = static_cast<scalar_type>(decay);
+        const std::int64_t passes = passes_ + 1;  // the accumulated ones and this step's
         const bool averaged = options_.strategy == distribution::kaisa && comm_.size() > 1;
         std::vector<scalar_type> weights;
         if (averaged) {
             std::vector<allreduce_item<scalar_type>> items;
             for (auto& l : layers_) {
                 // Mean over passes, times this rank's rows: Σ_r rows_r · F̂_r is summed.
-                const auto w = l.captured_rows / static_cast<scalar_type>(passes_);
+                const auto rows = total_rows(l);
+                const auto w = rows / static_cast<scalar_type>(passes);
                 Backend::scale_symmetric(l.a_sum, w);
                 Backend::scale_symmetric(l.g_sum, w);
                 for (matrix* sum : {&l.a_sum, &l.g_sum}) {
                     const auto n = static_cast<std::size_t>(sum->size());
                     items.push_back({staging_.stage(sum->data(), n, true, true), n, true, sum->rows()});
                 }
-                weights.push_back(l.captured_rows);
+                weights.push_back(rows);
             }
             items.push_back({weights.data(), weights.size(), false, 0});
             const auto cap = static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
@@ -474,19 +543,18 @@ private:
             auto& l = layers_[i];
             if (!l.plan.holds_factors) continue;
             const auto weight = averaged ? static_cast<scalar_type>((1.0 - decay) / static_cast<double>(weights[i]))
-                                         : static_cast<scalar_type>((1.0 - decay) / static_cast<double>(passes_));
+                                         : static_cast<scalar_type>((1.0 - decay) / static_cast<double>(passes));
             if (Backend::lower_all_finite(l.a_sum) && Backend::lower_all_finite(l.g_sum)) {
                 Backend::running_average(l.a_factor, l.a_sum, xi, weight);
                 Backend::running_average(l.g_factor, l.g_sum, xi, weight);
             } else {
-                ++health_.skipped_factor_updates;
-                report(l, non_finite_source::factor_statistics, k);
+                outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
             }
         }
-        passes_ = 0;
     }
 
-    void update_second_order(std::int64_t k, double damping) {
+    void update_second_order(const detail::step_plan& plan, step_outcome& outcome) {
+        const double damping = plan.damping;
         // Decompose every factor this rank owns as independent tasks, then apply the results
         // and share them in layer order (every rank issues the broadcasts in that order).
         struct result {
@@ -508,7 +576,7 @@ private:
                                      in_layer(l, [&] { r.ok_g = method::compute_factor(l.g_factor, damping, r.g); });
                                  }});
         }
-        detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
+        agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
             auto& r = results[i];
@@ -520,8 +588,7 @@ private:
                     if (p.computes_a && p.computes_g) method::finalize_layer(l.second, damping, options_);
                     l.has_second = true;
                 } else {
-                    ++health_.kept_decompositions;
-                    report(l, non_finite_source::decomposition, k);
+                    outcome.add(l, non_finite_source::decomposition, plan.step, &health_counters::kept_decompositions);
                     if (!l.has_second) {  // nothing to keep: precondition with the identity's data
                         method::identity_data(l.second, l.description.a_dim(), l.description.g_dim(), damping, options_);
                         l.has_second = true;
@@ -542,11 +609,11 @@ private:
         staging_.complete();
     }
 
-    void precondition_all(std::int64_t k, double damping) {
-        const std::optional<double> kl_clip = options_.kl_clip(k);
-        if (kl_clip && !(*kl_clip > 0.0))
-            throw error("options.kl_clip evaluated to " + std::to_string(*kl_clip) + " at step " +
-                        std::to_string(k) + "; it must be > 0 or std::nullopt");
+    /// Pᵀ of every layer into l.preconditioned (shared from the gradient workers), then the
+    /// verdict per layer: a layer whose Γ or P is not finite on any rank is zeroed on every
+    /// rank, so ranks never drift apart (a host that forgot to average its gradients, say).
+    void precondition_all(const detail::step_plan& plan, step_outcome& outcome) {
+        const double damping = plan.damping;
         std::vector<detail::task> tasks;
         for (auto& l : layers_) {
             const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
@@ -564,7 +631,7 @@ private:
                                      l.preconditioned = l.gamma;  // no second-order data yet: plain SGD
                              }); }});
         }
-        detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
+        agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
         for (auto& l : layers_)
             if (l.plan.share_gradient) {
                 const auto n = static_cast<std::size_t>(l.preconditioned.size());
@@ -573,34 +640,57 @@ private:
             }
         comm_.wait();
         staging_.complete();
+        std::vector<std::int64_t> unusable(layers_.size());
+        for (std::size_t i = 0; i < layers_.size(); ++i)
+            unusable[i] = !(Backend::all_finite(layers_[i].gamma) && Backend::all_finite(layers_[i].preconditioned));
+        comm_.allreduce_max(unusable);
+        for (std::size_t i = 0; i < layers_.size(); ++i) {
+            auto& l = layers_[i];
+            l.usable = unusable[i] == 0;
+            if (l.usable) continue;
+            l.preconditioned = Backend::zeros(l.description.a_dim(), l.description.g_dim());
+            outcome.add(l, non_finite_source::gradient, plan.step, &health_counters::zeroed_gradients);
+        }
+    }
+
+    /// ν = min(1, √(κ / |η² Σ_layers ⟨P, Γ⟩|)), 1 without kl_clip or when the sum is 0.
+    double kl_clip_scale(const detail::step_plan& plan) const {
+        if (!plan.kl_clip) return 1.0;
         double vg_sum = 0.0;
-        for (auto& l : layers_) {
-            // Γ is the same on every rank and P arrives from one source, so every rank
-            // reaches the same verdict.
-            l.usable = Backend::all_finite(l.gamma) && Backend::all_finite(l.preconditioned);
-            if (!l.usable) {
-                l.preconditioned = Backend::zeros(l.description.a_dim(), l.description.g_dim());
-                ++health_.zeroed_gradients;
-                report(l, non_finite_source::gradient, k);
-                continue;
-            }
-            if (kl_clip) vg_sum += Backend::frobenius_dot(l.preconditioned, l.gamma);
-        }
-        double scale = 1.0;
-        if (kl_clip) {
-            const double lr = options_.lr(k);
-            if (!(lr >= 0.0))
-                throw error("options.lr evaluated to " + std::to_string(lr) + " at step " +
-                            std::to_string(k) + "; it must be >= 0");
-            vg_sum *= lr * lr;
-            if (vg_sum != 0.0) scale = std::min(1.0, std::sqrt(*kl_clip / std::abs(vg_sum)));
-        }
-        last_kl_scale_ = scale;
+        for (const auto& l : layers_)
+            if (l.usable) vg_sum += Backend::frobenius_dot(l.preconditioned, l.gamma);
+        vg_sum *= plan.lr * plan.lr;
+        return vg_sum == 0.0 ? 1.0 : std::min(1.0, std::sqrt(*plan.kl_clip / std::abs(vg_sum)));
+    }
+
+    void write_back(double scale) {
         for (auto& l : layers_)
             in_layer(l, [&] {
                 Backend::store_gradient(l.preconditioned, static_cast<scalar_type>(scale), l.weight_gradient(l.layer),
                                         l.bias_gradient(l.layer));
             });
+    }
+
+    /// The step is done: count it, then tell the host what was contained. The callback runs
+    /// last, so whatever it throws, the gradients are written and nothing non-finite is left
+    /// in them; every event is delivered and the first exception is rethrown.
+    void commit(const detail::step_plan& plan, double scale, step_outcome outcome) {
+        if (plan.factor_update) passes_ = 0;
+        last_kl_scale_ = scale;
+        health_.skipped_factor_updates += outcome.health.skipped_factor_updates;
+        health_.kept_decompositions += outcome.health.kept_decompositions;
+        health_.zeroed_gradients += outcome.health.zeroed_gradients;
+        ++steps_;
+        if (!on_non_finite_) return;
+        std::exception_ptr first;
+        for (const auto& event : outcome.events) {
+            try {
+                on_non_finite_(event);
+            } catch (...) {
+                if (!first) first = std::current_exception();
+            }
+        }
+        if (first) std::rethrow_exception(first);
     }
 
     options options_;

@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// Replays every case folder found under KFAC_GOLDEN_DIR (discovered, not listed).
+// Replays every golden case folder discovered in the repository's tests/data/golden and in
+// the optional extra folder (generated/golden_dirs.hpp); the cases are not listed anywhere.
 #include <catch2/catch.hpp>
 
+#include "golden_dirs.hpp"
 #include "replay/golden_case.hpp"
 
 namespace {
 
 std::vector<kfac_replay::fs::path> golden_cases() {
-    return kfac_replay::discover_cases(KFAC_GOLDEN_DIR);
+    return kfac_replay::discover_cases_in(kfac_replay::golden_dirs);
 }
 
 void check(const kfac_replay::golden_case& c, kfac_replay::precision p) {
@@ -26,6 +28,8 @@ void check(const kfac_replay::golden_case& c, kfac_replay::precision p) {
 
 TEST_CASE("golden cases exist", "[golden]") {
     REQUIRE_FALSE(golden_cases().empty());
+    // The repository's own cases are always among them: a bare clone replays them.
+    CHECK_FALSE(kfac_replay::discover_cases(kfac_replay::golden_dirs[0]).empty());
 }
 
 TEST_CASE("every golden case replays in double precision at the case tolerance", "[golden]") {

@@ -117,7 +117,8 @@ private:
     json meta_;
 };
 
-/// Every sub-folder of `root` that holds a case.json, sorted.
+/// The case folders under `root`: `root` itself when it holds a case.json, else every
+/// sub-folder that does, sorted by name.
 inline std::vector<fs::path> discover_cases(const fs::path& root) {
     std::vector<fs::path> out;
     if (fs::exists(root / "case.json")) return {root};
@@ -125,6 +126,22 @@ inline std::vector<fs::path> discover_cases(const fs::path& root) {
     for (const auto& e : fs::directory_iterator(root))
         if (e.is_directory() && fs::exists(e.path() / "case.json")) out.push_back(e.path());
     std::sort(out.begin(), out.end());
+    return out;
+}
+
+/// The case folders under several roots, in order; a case whose folder name an earlier root
+/// already supplied is the same recording and is skipped. Missing roots are skipped too.
+template <class Roots>
+std::vector<fs::path> discover_cases_in(const Roots& roots) {
+    std::vector<fs::path> out;
+    std::vector<std::string> names;
+    for (const auto& root : roots)
+        for (auto& folder : discover_cases(fs::path(root))) {
+            const std::string name = folder.filename().string();
+            if (std::find(names.begin(), names.end(), name) != names.end()) continue;
+            names.push_back(name);
+            out.push_back(std::move(folder));
+        }
     return out;
 }
 

@@ -2,10 +2,13 @@
 // kfac_replay: replays a golden case folder through the public API and compares every
 // dumped quantity (see ../shared/golden/README.md).
 //
-//   kfac_replay CASE_DIR [--float | --double] [--rtol R]
+//   kfac_replay [CASE_DIR] [--float | --double] [--rtol R]
 //               [--strategy kaisa|dp-kfac] [--grad-worker-fraction comm_opt|hybrid_opt|mem_opt|F]
 //               [--assignment compute|memory|round_robin] [--colocate on|off]
 //               [--backend cpu|cuda|staged]
+//
+// CASE_DIR is one case folder or a folder of case folders; without it, every case discovered
+// in the repository's tests/data/golden and in ../shared/golden (when present) is replayed.
 //
 // --backend: cpu (cpu_eigen, the default); cuda (backend::cuda, in the kfac_replay_cuda
 // build, which exits 77 when no CUDA device is present); staged (a CPU backend that declares
@@ -13,10 +16,11 @@
 // backends: the MPI tests use it to check that path without a GPU).
 //
 // Under `mpiexec -n W` (when built with MPI) each rank takes its contiguous block of every
-// step's rows; errors are maximised over ranks. Prints the largest error per quantity and
-// ends with
+// step's rows; errors are maximised over ranks. Prints, per case, the largest error per
+// quantity and a line
 //   max_rel_err=<value> rtol=<value> world=<W> strategy=<name> PASS|FAIL
-// Exit status: 0 on PASS, 1 on FAIL, 2 on a usage or input error.
+// and, when several cases ran, `cases=<n> failed=<m>`.
+// Exit status: 0 when every case passed, 1 on FAIL, 2 on a usage or input error.
 
 #include <cstdio>
 #include <exception>
@@ -24,6 +28,7 @@
 #include <string>
 
 #include "golden_case.hpp"
+#include "golden_dirs.hpp"
 
 #ifndef KFAC_REPLAY_WITH_CUDA
 #define KFAC_REPLAY_WITH_CUDA 0
@@ -42,7 +47,7 @@ constexpr int exit_skipped = 77;
 namespace {
 
 const char* usage =
-    "usage: kfac_replay CASE_DIR [--float | --double] [--rtol R]\n"
+    "usage: kfac_replay [CASE_DIR | FOLDER_OF_CASES] [--float | --double] [--rtol R]\n"
     "         [--strategy kaisa|dp-kfac] [--grad-worker-fraction comm_opt|hybrid_opt|mem_opt|F]\n"
     "         [--assignment compute|memory|round_robin] [--colocate on|off]\n"
     "         [--backend cpu|cuda|staged]\n";
@@ -58,6 +63,9 @@ struct run_context {
     int rank = 0;
     int world = 1;
 };
+
+int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, std::optional<double> rtol,
+                const kfac_replay::distributed_setup& setup, const std::string& backend, run_context& ctx);
 
 int run(int argc, char** argv, run_context& ctx) {
     std::string folder;
@@ -92,8 +100,24 @@ int run(int argc, char** argv, run_context& ctx) {
         } else if (!arg.empty() && arg[0] != '-' && folder.empty()) folder = arg;
         else throw kfac::error("unknown argument '" + arg + "'\n" + usage);
     }
-    if (folder.empty()) throw kfac::error(std::string("no case folder given\n") + usage);
+    const std::vector<kfac_replay::fs::path> cases =
+        folder.empty() ? kfac_replay::discover_cases_in(kfac_replay::golden_dirs) : kfac_replay::discover_cases(folder);
+    if (cases.empty())
+        throw kfac::error((folder.empty() ? std::string("no golden case found in the default folders")
+                                          : "no case.json in '" + folder + "' or its sub-folders") +
+                          "\n" + usage);
+    int failed = 0;
+    for (const auto& case_folder : cases) {
+        const int status = replay_case(case_folder, p, rtol, setup, backend, ctx);
+        if (status == exit_skipped) return status;  // no device: nothing can run
+        if (status != 0) ++failed;
+    }
+    if (cases.size() > 1 && ctx.rank == 0) std::printf("cases=%zu failed=%d\n", cases.size(), failed);
+    return failed == 0 ? 0 : 1;
+}
 
+int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, std::optional<double> rtol,
+                const kfac_replay::distributed_setup& setup, const std::string& backend, run_context& ctx) {
     const kfac_replay::golden_case c(folder);
 #if KFAC_REPLAY_WITH_MPI
     using comm_type = kfac::comm::mpi;

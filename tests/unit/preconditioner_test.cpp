@@ -236,7 +236,7 @@ TEST_CASE("accumulation misuse is reported", "[preconditioner][accumulation][err
     kfac_d<kfac::compute::inverse> p(o);
     p.register_layer("fc", l.view);
     p.accumulate();
-    CHECK_THROWS_WITH(p.step(), Catch::Contains("after 2 pass(es)") && Catch::Contains("accumulation_steps = 3"));
+    CHECK_THROWS_WITH(p.step(), Catch::Contains("step() after 1 accumulate() call(s)") && Catch::Contains("accumulation_steps = 3"));
     kfac_d<kfac::compute::inverse> q(o);
     q.register_layer("fc", l.view);
     q.accumulate();

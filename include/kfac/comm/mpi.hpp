@@ -210,6 +210,25 @@ public:
         return out;
     }
 
+    std::string broadcast_text(const std::string& text, int root) {
+        std::string out = state_->rank == root ? text : std::string();
+        if (state_->size == 1) return out;
+        int length = static_cast<int>(std::min<std::size_t>(out.size(), INT32_MAX));
+        detail::check_mpi(MPI_Bcast(&length, 1, MPI_INT, root, state_->world.comm), "MPI_Bcast");
+        out.resize(static_cast<std::size_t>(length));
+        detail::check_mpi(MPI_Bcast(out.data(), length, MPI_CHAR, root, state_->world.comm), "MPI_Bcast");
+        state_->counters.control_calls += 2;
+        return out;
+    }
+
+    void allreduce_max(std::vector<std::int64_t>& values) {
+        if (state_->size == 1 || values.empty()) return;
+        detail::check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), detail::checked_count(values.size()),
+                                        MPI_INT64_T, MPI_MAX, state_->world.comm),
+                          "MPI_Allreduce");
+        ++state_->counters.control_calls;
+    }
+
     [[nodiscard]] const comm_counters& counters() const noexcept { return state_->counters; }
 
 private:

@@ -20,6 +20,10 @@
 ///   // Control: collective agreement on failure (first failing rank's message, or none).
 ///   std::optional<std::string> agree(const std::optional<std::string>& local_error);
 ///   std::vector<std::uint64_t> allgather(std::uint64_t value);
+///   // Control: every rank gets rank `root`'s text (the others' argument is ignored).
+///   std::string broadcast_text(const std::string& text, int root);
+///   // Control: element-wise maximum over all ranks, in place (per-layer verdicts).
+///   void allreduce_max(std::vector<std::int64_t>& values);
 ///   const comm_counters& counters() const;
 /// ```
 /// Every rank calls the collectives in the same order. Groups of one rank send nothing and
@@ -72,6 +76,8 @@ public:
     void wait() noexcept {}
     std::optional<std::string> agree(const std::optional<std::string>& local_error) { return local_error; }
     std::vector<std::uint64_t> allgather(std::uint64_t value) { return {value}; }
+    std::string broadcast_text(const std::string& text, int) { return text; }
+    void allreduce_max(std::vector<std::int64_t>&) noexcept {}
     [[nodiscard]] const comm_counters& counters() const noexcept { return counters_; }
 
 private:

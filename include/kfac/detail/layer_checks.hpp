@@ -4,6 +4,7 @@
 /// Validation of layer descriptions and of the views adapters hand over, with messages that
 /// name the layer, the shapes and the fix.
 
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -22,21 +23,49 @@ inline std::string describe_layer(const std::string& name, const layer_descripti
     return s + (d.bias ? ", bias)" : ", no bias)");
 }
 
+/// Everything that identifies a layer, for the cross-rank configuration check:
+/// "'conv1' (conv2d 3->4, kernel 3x3, stride 1x1, padding 1x1, dilation 1x1, groups 1, bias)".
+inline std::string layer_signature(const std::string& name, const layer_description& d) {
+    std::string s = "'" + name + "' (" + kind_name(d.kind) + " " + std::to_string(d.in) + "->" + std::to_string(d.out);
+    if (d.kind == layer_kind::conv2d) {
+        const auto& c = d.conv;
+        auto pair = [](const std::array<std::int64_t, 2>& p) { return std::to_string(p[0]) + "x" + std::to_string(p[1]); };
+        s += ", kernel " + pair(c.kernel) + ", stride " + pair(c.stride) + ", padding " + pair(c.padding) +
+             ", dilation " + pair(c.dilation) + ", groups " + std::to_string(c.groups);
+    }
+    return s + (d.bias ? ", bias)" : ", no bias)");
+}
+
+/// Largest count a BLAS or LAPACK call takes: both libraries the backends use (OpenBLAS's
+/// LP64 interface, cuBLAS) pass dimensions as 32-bit ints.
+inline constexpr std::int64_t blas_int_max = 2147483647;
+
 inline void check_description(const std::string& name, const layer_description& d) {
     const std::string who = describe_layer(name, d);
     if (d.in <= 0 || d.out <= 0)
         throw error(who + ": input and output sizes must be positive");
-    if (d.kind != layer_kind::conv2d) return;
-    const auto& c = d.conv;
-    for (int i = 0; i < 2; ++i) {
-        if (c.kernel[i] <= 0 || c.stride[i] <= 0 || c.dilation[i] <= 0 || c.padding[i] < 0)
-            throw error(who + ": kernel, stride and dilation must be positive and padding "
-                              "non-negative");
+    if (d.kind == layer_kind::conv2d) {
+        const auto& c = d.conv;
+        for (int i = 0; i < 2; ++i) {
+            if (c.kernel[i] <= 0 || c.stride[i] <= 0 || c.dilation[i] <= 0 || c.padding[i] < 0)
+                throw error(who + ": kernel, stride and dilation must be positive and padding "
+                                  "non-negative");
+        }
+        if (c.groups != 1)
+            throw error(who + ": groups = " + std::to_string(c.groups) +
+                        " is not supported (K-FAC's factors here assume a dense kernel); exclude "
+                        "the layer with options.skip_layers");
     }
-    if (c.groups != 1)
-        throw error(who + ": groups = " + std::to_string(c.groups) +
-                    " is not supported (K-FAC's factors here assume a dense kernel); exclude "
-                    "the layer with options.skip_layers");
+    // A factor's dimension is a BLAS dimension (and its square the factor's size).
+    std::int64_t columns = d.in;
+    if (d.kind == layer_kind::conv2d &&
+        (__builtin_mul_overflow(d.in, d.conv.kernel[0], &columns) ||
+         __builtin_mul_overflow(columns, d.conv.kernel[1], &columns)))
+        columns = blas_int_max + 1;
+    if (columns >= blas_int_max || d.out > blas_int_max)
+        throw error(who + ": a factor dimension of " + std::to_string(columns) + " x " + std::to_string(d.out) +
+                    " exceeds what a BLAS call takes (" + std::to_string(blas_int_max) +
+                    "); exclude the layer with options.skip_layers");
 }
 
 /// "[5, 6]". Built by appending: GCC 12 at -O3 warns falsely (-Wrestrict, bug 105329) on
@@ -60,6 +89,34 @@ void check_memory_space(const std::string& who, const char* what, const tensor_v
                 "buffer to the host");
 }
 
+/// A view's rank and extents must describe an array: rank within [0, max_view_rank], no
+/// negative extent, and an element count that fits in 64 bits.
+template <class T>
+void check_extents(const std::string& who, const char* what, const tensor_view<T>& v) {
+    if (v.empty()) return;
+    if (v.rank < 0 || v.rank > max_view_rank)
+        throw error(who + ": the " + what + " view has rank " + std::to_string(v.rank) + "; views have 0 to " +
+                    std::to_string(max_view_rank) + " dimensions (flatten leading dimensions into one)");
+    std::int64_t count = 1;
+    for (int i = 0; i < v.rank; ++i) {
+        if (v.extent(i) < 0)
+            throw error(who + ": the " + what + " view has shape " + v.shape_string() + " with the negative extent " +
+                        std::to_string(v.extent(i)) + " in dimension " + std::to_string(i) +
+                        "; point the view at the array with its real, non-negative shape");
+        if (__builtin_mul_overflow(count, v.extent(i), &count))
+            throw error(who + ": the " + what + " view's shape " + v.shape_string() +
+                        " has more elements than a 64-bit count holds");
+    }
+}
+
+/// A count passed to one BLAS call must fit its integer type.
+inline void check_blas_count(const std::string& who, const std::string& what, std::int64_t count) {
+    if (count <= blas_int_max) return;
+    throw error(who + ": " + what + " " + std::to_string(count) + ", more than the " + std::to_string(blas_int_max) +
+                " one BLAS call takes; split the batch into micro-batches (options.accumulation_steps and "
+                "accumulate())");
+}
+
 template <class T>
 std::int64_t leading_rows(const tensor_view<T>& v) {
     return v.rank == 0 ? 0 : v.size() / v.extent(v.rank - 1);
@@ -71,6 +128,8 @@ void check_statistics_views(const std::string& name, const layer_description& d,
                             const tensor_view<const T>& a, const tensor_view<const T>& g,
                             std::int64_t step, bool device_backend = false) {
     const std::string who = describe_layer(name, d);
+    check_extents(who, "activations", a);
+    check_extents(who, "output gradients", g);
     check_memory_space(who, "activations", a, device_backend);
     check_memory_space(who, "output gradients", g, device_backend);
     if (a.empty())
@@ -92,6 +151,7 @@ void check_statistics_views(const std::string& name, const layer_description& d,
         if (leading_rows(a) != leading_rows(g) || leading_rows(a) == 0)
             throw error(who + ": activations " + a.shape_string() + " and output gradients " +
                         g.shape_string() + " must hold the same, non-zero number of rows");
+        check_blas_count(who, "activations " + a.shape_string() + " hold rows:", leading_rows(a));
         return;
     }
     if (a.rank != 4 || a.extent(1) != d.in)
@@ -111,6 +171,8 @@ void check_statistics_views(const std::string& name, const layer_description& d,
                     a.shape_string() + " the convolution's output is [" +
                     std::to_string(a.extent(0)) + ", " + std::to_string(d.out) + ", " +
                     std::to_string(ho) + ", " + std::to_string(wo) + "]");
+    // The G statistic is one rank-k update per sample over its output positions.
+    check_blas_count(who, "output gradients " + g.shape_string() + " hold positions per sample:", ho * wo);
 }
 
 /// Views of the gradients that step() reads and overwrites.
@@ -118,6 +180,8 @@ template <class T>
 void check_gradient_views(const std::string& name, const layer_description& d,
                           const tensor_view<T>& w, const tensor_view<T>& b, bool device_backend = false) {
     const std::string who = describe_layer(name, d);
+    check_extents(who, "weight gradient", w);
+    check_extents(who, "bias gradient", b);
     check_memory_space(who, "weight gradient", w, device_backend);
     check_memory_space(who, "bias gradient", b, device_backend);
     const bool linear = d.kind == layer_kind::linear;

@@ -14,9 +14,12 @@
 #include <functional>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "kfac/config.hpp"
 
 namespace kfac::detail {
 
@@ -25,16 +28,34 @@ struct task {
     std::function<void()> run;
 };
 
+/// A thread count as an environment variable gives it: a positive decimal integer of at most
+/// 4096 and nothing else ("2x", "-1", "abc" and "" are not counts); nullopt otherwise.
+inline std::optional<int> parse_thread_count(const char* text) {
+    if (text == nullptr || *text == '\0') return std::nullopt;
+    long long n = 0;
+    for (const char* c = text; *c; ++c) {
+        if (*c < '0' || *c > '9') return std::nullopt;
+        n = n * 10 + (*c - '0');
+        if (n > 4096) return std::nullopt;
+    }
+    if (n < 1) return std::nullopt;
+    return static_cast<int>(n);
+}
+
 /// Threads to use when options.threads is 0: KFAC_NUM_THREADS, else OPENBLAS_NUM_THREADS,
 /// else OMP_NUM_THREADS, else the hardware's; 1 when several ranks share the machine and
-/// nothing was set (the ranks already use the cores).
+/// nothing was set (the ranks already use the cores). KFAC_NUM_THREADS is ours, so a value
+/// that is not a count is an error; the other two belong to their libraries, which define
+/// their own syntax (OMP_NUM_THREADS=4,2 nests), so only a plain count of theirs is used.
+/// @throws kfac::error naming KFAC_NUM_THREADS, its value and the fix.
 inline int default_thread_count(int ranks) {
-    for (const char* name : {"KFAC_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"}) {
-        if (const char* v = std::getenv(name)) {
-            const int n = std::atoi(v);
-            if (n > 0) return n;
-        }
+    if (const char* v = std::getenv("KFAC_NUM_THREADS")) {
+        if (const auto n = parse_thread_count(v)) return *n;
+        throw error(std::string("KFAC_NUM_THREADS='") + v + "' is not a thread count: set it to a whole number "
+                    "from 1 to 4096 (e.g. KFAC_NUM_THREADS=2), or unset it to use the cores available");
     }
+    for (const char* name : {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"})
+        if (const auto n = parse_thread_count(std::getenv(name))) return *n;
     if (ranks > 1) return 1;
     return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <iterator>
 #include <string>
 
 #include "kfac/config.hpp"
@@ -38,9 +39,7 @@ struct tensor_view {
     tensor_view() = default;
     tensor_view(T* ptr, std::initializer_list<std::int64_t> shape, memory_space where = memory_space::host)
         : data(ptr), space(where) {
-        if (shape.size() > static_cast<std::size_t>(max_view_rank))
-            throw error("tensor_view: rank " + std::to_string(shape.size()) + " exceeds " +
-                        std::to_string(max_view_rank));
+        if (shape.size() > static_cast<std::size_t>(max_view_rank)) throw rank_error(shape.size());
         for (std::int64_t e : shape) extents[static_cast<std::size_t>(rank++)] = e;
     }
     template <class Extents>
@@ -49,14 +48,20 @@ struct tensor_view {
         v.data = ptr;
         v.space = where;
         for (auto e : shape) {
-            if (v.rank == max_view_rank)
-                throw error("tensor_view: rank exceeds " + std::to_string(max_view_rank));
+            if (v.rank == max_view_rank) throw rank_error(std::size(shape));
             v.extents[static_cast<std::size_t>(v.rank++)] = static_cast<std::int64_t>(e);
         }
         return v;
     }
 
     [[nodiscard]] bool empty() const noexcept { return data == nullptr; }
+
+    /// The error for a shape of too many dimensions (the preconditioner adds the layer's name).
+    static error rank_error(std::size_t rank) {
+        return error("a tensor_view of rank " + std::to_string(rank) + " was requested; views have at most " +
+                     std::to_string(max_view_rank) + " dimensions (kfac::max_view_rank): flatten leading "
+                     "dimensions into one");
+    }
     [[nodiscard]] std::int64_t extent(int i) const { return extents[static_cast<std::size_t>(i)]; }
     [[nodiscard]] std::int64_t size() const noexcept {
         std::int64_t n = 1;
