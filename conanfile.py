@@ -3,23 +3,25 @@
 
 The package is made by kfac's own CMake install (cmake/kfacInstall.cmake), and consumers use
 the kfacConfig.cmake it installs: find_package(kfac CONFIG REQUIRED COMPONENTS mpi cuda)
-gives kfac::kfac, kfac::mpi and kfac::cuda, each looking for its own dependencies (Eigen3,
-LAPACKE/OpenBLAS through pkg-config, MPI, the CUDA toolkit) only when asked for. Conan's
+gives kfac::kfac, kfac::mpi and kfac::cuda, each looking for its own dependencies (Eigen3, the
+BLAS: scipy-openblas32 through python3 or LAPACKE/OpenBLAS through pkg-config, MPI, the CUDA
+toolkit) only when asked for. Conan's
 CMakeDeps cannot express those per-component, look-up-when-asked dependencies on system
 packages, so package_info() sets cmake_find_mode to "none" (CMakeDeps writes no file for
 kfac) and puts the package's share/cmake/kfac in builddirs (CMakeToolchain adds it to
 CMAKE_PREFIX_PATH, where find_package finds our config).
 
 Offline by default: with system_deps=True (the default) the recipe requires nothing and the
-dependencies come from the system (Debian: libeigen3-dev, liblapacke-dev libopenblas-dev,
-libmpich-dev, the CUDA toolkit), found by the same find_package/pkg-config calls as in a plain
-CMake build. With system_deps=False, Eigen comes from ConanCenter (eigen/3.4.0) through
+dependencies come from the system (Debian: libeigen3-dev, liblapacke-dev libopenblas-dev or
+the PyPI wheel scipy-openblas32, libmpich-dev, the CUDA toolkit), found by the same
+find_package/pkg-config/python3 look-ups as in a plain CMake build (KFAC_BLAS=auto). With system_deps=False, Eigen comes from ConanCenter (eigen/3.4.0) through
 CMakeDeps; LAPACKE/OpenBLAS (with_lapack), MPI (with_mpi) and CUDA (with_cuda) still come
 from the system, so set with_lapack=False for a graph without system libraries.
 """
 
 import os
 import re
+import subprocess
 
 from conan import ConanFile
 from conan.errors import ConanException
@@ -40,7 +42,7 @@ class KfacConan(ConanFile):
     options = {
         "with_mpi": [True, False],     # kfac::mpi (comm::mpi); MPI from the system
         "with_cuda": [True, False],    # kfac::cuda (backend::cuda); the CUDA toolkit from the system
-        "with_lapack": [True, False],  # LAPACKE + OpenBLAS fast paths, via pkg-config
+        "with_lapack": [True, False],  # CBLAS/LAPACKE fast paths: scipy-openblas32, else Debian's OpenBLAS
         "system_deps": [True, False],  # True: no Conan requirements, Eigen from the system
     }
     default_options = {
@@ -105,7 +107,8 @@ class KfacConan(ConanFile):
         for option, variable, hint in (
             ("with_mpi", "kfac_HAS_MPI", "MPI (Debian: apt install libmpich-dev)"),
             ("with_cuda", "kfac_HAS_CUDA", "the CUDA toolkit (nvcc on PATH or CUDAToolkit_ROOT)"),
-            ("with_lapack", "kfac_HAS_LAPACK", "lapacke and openblas through pkg-config "
+            ("with_lapack", "kfac_HAS_LAPACK", "BLAS: neither scipy-openblas32 (python3 -m pip install "
+                                                "scipy-openblas32) nor lapacke and openblas through pkg-config "
                                                 "(Debian: apt install liblapacke-dev libopenblas-dev)"),
         ):
             if self.options.get_safe(option) and not re.search(rf"set\({variable} ON\)", config):
@@ -122,6 +125,36 @@ class KfacConan(ConanFile):
         # For generators other than CMake's (PkgConfigDeps, MSBuildDeps, ...): the include
         # directory, and the LAPACK define and libraries when the package uses them.
         self.cpp_info.includedirs = ["include"]
-        if self.options.with_lapack:
+        blas = self._blas()
+        if blas == "openblas":
             self.cpp_info.defines = ["KFAC_HAS_LAPACK=1"]
             self.cpp_info.system_libs = ["lapacke", "openblas"]
+        elif blas == "scipy-openblas32":
+            self._declare_scipy_openblas32()
+
+    def _blas(self):
+        """The BLAS the package was built with, as its kfacConfig.cmake records it."""
+        config = os.path.join(self.package_folder, "share", "cmake", "kfac", "kfacConfig.cmake")
+        if not os.path.isfile(config):
+            return "eigen"
+        match = re.search(r'set\(kfac_BLAS "([a-z0-9-]+)"\)', load(self, config))
+        return match.group(1) if match else "eigen"
+
+    def _declare_scipy_openblas32(self):
+        """The wheel lives in the consumer's Python, so it is located here, on the consumer's
+        machine, the way kfacConfig.cmake does (python3 -c 'import scipy_openblas32')."""
+        script = ("import scipy_openblas32 as s; "
+                  "print(s.get_include_dir()); print(s.get_lib_dir()); print(s.get_library())")
+        try:
+            out = subprocess.run(["python3", "-c", script], check=True, capture_output=True, text=True)
+            include_dir, lib_dir, library = out.stdout.split()
+        except (OSError, subprocess.CalledProcessError, ValueError):
+            self.output.warning("kfac was built with scipy-openblas32, but python3 cannot import it here "
+                                "(python3 -m pip install scipy-openblas32); non-CMake generators get no BLAS")
+            return
+        self.cpp_info.defines = ["KFAC_HAS_LAPACK=1", "KFAC_BLAS_SYMBOL_PREFIX=scipy_"]
+        self.cpp_info.includedirs.append(include_dir)
+        self.cpp_info.libdirs = [lib_dir]
+        self.cpp_info.libs = [library]
+        self.cpp_info.sharedlinkflags = [f"-Wl,-rpath,{lib_dir}"]
+        self.cpp_info.exelinkflags = [f"-Wl,-rpath,{lib_dir}"]

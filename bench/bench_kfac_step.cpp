@@ -436,6 +436,9 @@ int main(int argc, char** argv) {
     const char* threads = std::getenv("OPENBLAS_NUM_THREADS");
     benchmark::AddCustomContext("OPENBLAS_NUM_THREADS", threads ? threads : "(unset)");
     benchmark::AddCustomContext("KFAC_HAS_LAPACK", KFAC_HAS_LAPACK ? "1" : "0");
+    const auto& blas = kfac::backend::blas_kernels();
+    benchmark::AddCustomContext("BLAS", blas.library);
+    benchmark::AddCustomContext("BLAS kernels", blas.core_name + (blas.generic ? " (generic: LAPACK via Eigen)" : ""));
     register_all();
     benchmark::Initialize(&argc, argv);
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -7,12 +7,13 @@
 #   <prefix>/include/kfac/...                       the headers (the targets' FILE_SETs)
 #   <prefix>/share/cmake/kfac/kfacConfig.cmake      components: mpi, cuda
 #   <prefix>/share/cmake/kfac/kfacConfigVersion.cmake
+#   <prefix>/share/cmake/kfac/kfacFindBLAS.cmake       the BLAS finder, run again by the config
 #   <prefix>/share/cmake/kfac/kfac-targets.cmake        kfac::kfac  (always)
 #   <prefix>/share/cmake/kfac/kfac-mpi-targets.cmake    kfac::mpi   (when KFAC_HAS_MPI)
 #   <prefix>/share/cmake/kfac/kfac-cuda-targets.cmake   kfac::cuda  (when KFAC_HAS_CUDA)
 #
 # The package is header-only, so it goes under DATADIR (share/) and its version file is
-# ARCH_INDEPENDENT. What the build found (LAPACK, MPI, CUDA) is recorded in kfacConfig.cmake,
+# ARCH_INDEPENDENT. What the build found (the BLAS, MPI, CUDA) is recorded in kfacConfig.cmake,
 # which finds the same dependencies again on the consumer's machine.
 
 option(KFAC_INSTALL "Generate kfac's install rules and CMake package files" ${PROJECT_IS_TOP_LEVEL})
@@ -62,11 +63,10 @@ if(KFAC_HAS_CUDA AND TARGET kfac_cuda)
   list(APPEND _kfac_available_components cuda)
 endif()
 
-# The pkg-config modules the core links when the build used LAPACKE + OpenBLAS.
-set(_kfac_lapack_modules)
-if(KFAC_HAS_LAPACK)
-  set(_kfac_lapack_modules "KFAC_LAPACKE=lapacke;KFAC_OPENBLAS=openblas")
-endif()
+# The BLAS finder goes beside kfacConfig.cmake, which runs it again with the choice this build
+# made (KFAC_BLAS_USED), so the consumer's own scipy-openblas32 or OpenBLAS is linked.
+install(FILES ${CMAKE_CURRENT_LIST_DIR}/kfacFindBLAS.cmake DESTINATION ${KFAC_INSTALL_CMAKEDIR}
+        COMPONENT kfac_development)
 
 configure_package_config_file(
   ${CMAKE_CURRENT_LIST_DIR}/kfacConfig.cmake.in
@@ -84,4 +84,3 @@ install(FILES ${PROJECT_BINARY_DIR}/kfac-package/kfacConfig.cmake
         DESTINATION ${KFAC_INSTALL_CMAKEDIR} COMPONENT kfac_development)
 
 unset(_kfac_available_components)
-unset(_kfac_lapack_modules)

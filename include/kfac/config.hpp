@@ -8,9 +8,18 @@
 #include <string>
 
 /// 1 when LAPACKE and CBLAS (OpenBLAS) may be called; CMake's kfac::kfac target sets it when
-/// KFAC_ENABLE_LAPACK is on and the libraries were found. With 0 the core needs only Eigen.
+/// KFAC_ENABLE_LAPACK is on and a BLAS was found (KFAC_BLAS, cmake/kfacFindBLAS.cmake). With 0
+/// the core needs only Eigen.
 #ifndef KFAC_HAS_LAPACK
 #define KFAC_HAS_LAPACK 0
+#endif
+
+/// What the BLAS library puts before every symbol name: empty for Debian's OpenBLAS,
+/// `scipy_` for the PyPI wheel scipy-openblas32 (scipy_cblas_sgemm, scipy_LAPACKE_ssyevd_work,
+/// scipy_openblas_set_num_threads), whose headers declare the prefixed names. CMake sets it
+/// with KFAC_HAS_LAPACK; kfac/backend/detail/blas_lapack.hpp pastes it onto each call.
+#ifndef KFAC_BLAS_SYMBOL_PREFIX
+#define KFAC_BLAS_SYMBOL_PREFIX
 #endif
 
 /// Largest factor dimension for which Eigen's own eigensolver is used even when LAPACK is

@@ -7,11 +7,13 @@
 
 #include "kfac/assignment/greedy.hpp"
 #include "kfac/assignment/strategies.hpp"
+#include "kfac/backend/blas_kernels.hpp"
 #include "kfac/backend/cpu_eigen.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/compute/eigendecomposition.hpp"
 #include "kfac/compute/inverse.hpp"
 #include "kfac/config.hpp"
+#include "kfac/diagnostics.hpp"
 #include "kfac/fwd.hpp"
 #include "kfac/layers/im2col.hpp"
 #include "kfac/layers/layer_description.hpp"

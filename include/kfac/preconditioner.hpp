@@ -160,6 +160,7 @@ public:
             check_statistics();
         });
         if (!factor_update) return;
+        const blas_threads_guard blas_threads(serial_blas_);
         capture_pass();
         for (auto& l : layers_) l.captured_rows = total_rows(l);
         ++passes_;
@@ -185,6 +186,7 @@ public:
     void step() {
         setup();
         const detail::step_plan plan = read_plan();
+        const blas_threads_guard blas_threads(serial_blas_);
         step_outcome outcome;
         if (plan.factor_update) {
             capture_pass();
@@ -290,6 +292,14 @@ private:
         void add(const layer_record& l, non_finite_source source, std::int64_t k, std::int64_t health_counters::*counter) {
             ++(health.*counter);
             events.push_back({l.name, source, k});
+        }
+    };
+
+    /// Single-threaded BLAS for the whole step while `serial` (see setup()).
+    struct blas_threads_guard {
+        std::optional<typename Backend::serial_blas_scope> scope;
+        explicit blas_threads_guard(bool serial) {
+            if (serial) scope.emplace();
         }
     };
 
@@ -421,6 +431,10 @@ private:
             threads = options_.threads > 0 ? options_.threads : detail::default_thread_count(comm_.size());
         });
         if constexpr (device_backend) threads = 1;  // a device backend queues from one host thread
+        // Several ranks on one machine already use its cores: unless told otherwise, each rank
+        // runs its BLAS single-threaded too. A BLAS thread pool per rank that spins while its
+        // rank waits in a collective slowed a 2-rank step on 2 cores 100-fold (scipy-openblas32).
+        const bool serial_blas = options_.threads == 0 && comm_.size() > 1 && !detail::thread_count_in_environment();
         check_configuration_agrees();
         const int world = comm_.size(), me = comm_.rank();
         std::vector<std::pair<std::int64_t, std::int64_t>> dims;
@@ -441,6 +455,7 @@ private:
             }
             gradient_group_ = comm_.world();
             threads_ = threads;
+            serial_blas_ = serial_blas;
             started_ = true;
             return;
         }
@@ -474,6 +489,7 @@ private:
                 method::prepare_receive(l.second, l.description.a_dim(), l.description.g_dim(), options_);
         }
         threads_ = threads;
+        serial_blas_ = serial_blas;
         started_ = true;
     }
 
@@ -707,6 +723,7 @@ private:
     group column_group_{};
     group gradient_group_{};
     int threads_ = 1;
+    bool serial_blas_ = false;  // the whole step with single-threaded BLAS (several ranks)
 };
 
 }  // namespace kfac

@@ -2,7 +2,9 @@
 #pragma once
 /// @file cpu_eigen.hpp
 /// The CPU backend: Eigen matrices, with CBLAS/LAPACKE (OpenBLAS) fast paths when
-/// KFAC_HAS_LAPACK is 1. The header-only fallback uses Eigen alone.
+/// KFAC_HAS_LAPACK is 1. The header-only fallback uses Eigen alone. The LAPACK-level calls
+/// (Cholesky inverse, syevd) also fall back to Eigen at run time while OpenBLAS runs generic
+/// kernels, which crash in them (kfac/backend/blas_kernels.hpp).
 ///
 /// **Backend policy.** A backend is a type that provides, all static unless noted:
 /// ```
@@ -62,6 +64,7 @@
 #include <Eigen/Eigenvalues>
 #include <Eigen/LU>
 
+#include "kfac/backend/blas_kernels.hpp"
 #include "kfac/backend/detail/blas_lapack.hpp"
 #include "kfac/config.hpp"
 #include "kfac/layers/im2col.hpp"
@@ -71,7 +74,8 @@
 
 namespace kfac::backend {
 
-/// CPU backend over Eigen (and OpenBLAS/LAPACKE when KFAC_HAS_LAPACK).
+/// CPU backend over Eigen (and OpenBLAS/LAPACKE when KFAC_HAS_LAPACK; LAPACK's solvers only
+/// while blas_kernels() says the kernels are not generic).
 /// @tparam Scalar float or double: the precision of factors, decompositions and gradients.
 template <class Scalar = float>
 struct cpu_eigen {
@@ -88,9 +92,12 @@ struct cpu_eigen {
     /// While alive, BLAS calls run single-threaded (the caller runs several at once).
     struct serial_blas_scope {
 #if KFAC_HAS_LAPACK
-        int previous = openblas_get_num_threads();
-        serial_blas_scope() { openblas_set_num_threads(1); }
-        ~serial_blas_scope() { openblas_set_num_threads(previous); }
+        int previous = detail::blas_thread_count();
+        serial_blas_scope() {
+            check_blas_kernels();
+            detail::set_blas_thread_count(1);
+        }
+        ~serial_blas_scope() { detail::set_blas_thread_count(previous); }
 #endif
         serial_blas_scope(const serial_blas_scope&) = delete;
         serial_blas_scope& operator=(const serial_blas_scope&) = delete;
@@ -137,6 +144,7 @@ struct cpu_eigen {
     static void gram_of_rows(Scalar* C, index ldc, const Scalar* X, index rows, index n,
                              Scalar alpha, Scalar beta) {
 #if KFAC_HAS_LAPACK
+        check_blas_kernels();
         detail::syrk(CblasNoTrans, static_cast<int>(n), static_cast<int>(rows), alpha, X,
                      static_cast<int>(n), beta, C, static_cast<int>(ldc));
 #else
@@ -152,6 +160,7 @@ struct cpu_eigen {
     static void gram_of_cols(Scalar* C, index ldc, const Scalar* Y, index n, index k, index ld,
                              Scalar alpha, Scalar beta) {
 #if KFAC_HAS_LAPACK
+        check_blas_kernels();
         detail::syrk(CblasTrans, static_cast<int>(n), static_cast<int>(k), alpha, Y,
                      static_cast<int>(ld), beta, C, static_cast<int>(ldc));
 #else
@@ -250,45 +259,24 @@ struct cpu_eigen {
     }
 
     /// Only the output is checked: a non-finite input cannot give a finite decomposition.
+    /// syevd above KFAC_EIGEN_SOLVER_MAX_DIM when LAPACK's solvers are usable, else Eigen's.
     static bool symmetric_eigen(const matrix& M, matrix& Q, vector& lambda) {
-#if KFAC_HAS_LAPACK
-        if (M.rows() > KFAC_EIGEN_SOLVER_MAX_DIM) {
-            Q = M;
-            lambda.resize(M.rows());
-            const int info = detail::syevd(static_cast<int>(M.rows()), Q.data(),
-                                           static_cast<int>(Q.rows()), lambda.data());
-            return info == 0 && all_finite(Q) && lambda.allFinite();
-        }
-#endif
-        Eigen::SelfAdjointEigenSolver<matrix> solver(M, Eigen::ComputeEigenvectors);
-        if (solver.info() != Eigen::Success) return false;
-        Q = solver.eigenvectors();
-        lambda = solver.eigenvalues();
-        return all_finite(Q) && lambda.allFinite();
+        const bool solved = M.rows() > KFAC_EIGEN_SOLVER_MAX_DIM && lapack_solvers_usable()
+                                ? lapack_symmetric_eigen(M, Q, lambda)
+                                : eigen_symmetric_eigen(M, Q, lambda);
+        return solved && all_finite(Q) && lambda.allFinite();
     }
 
-    /// inverse = (M + damping·I)⁻¹ by Cholesky (potrf + potri: half the flops of LU, see
-    /// perf-anchors §5), falling back to LU when rounding leaves the matrix not quite SPD.
+    /// inverse = (M + damping·I)⁻¹ by Cholesky (LAPACK's potrf + potri when usable, else
+    /// Eigen's LLT), falling back to LU when rounding leaves the matrix not quite SPD.
     static bool damped_inverse(const matrix& M, Scalar damping, matrix& inverse) {
         inverse = M;
         inverse.diagonal().array() += damping;
-#if KFAC_HAS_LAPACK
-        const int info = detail::cholesky_inverse_lower(static_cast<int>(inverse.rows()),
-                                                        inverse.data(),
-                                                        static_cast<int>(inverse.rows()));
-        if (info == 0) {
-            mirror_lower(inverse);
-            return all_finite(inverse);
-        }
-        inverse = M;
+        const bool inverted = lapack_solvers_usable() ? lapack_cholesky_inverse(inverse)
+                                                      : eigen_cholesky_inverse(inverse);
+        if (inverted) return all_finite(inverse);
+        inverse = M;  // potrf may have overwritten part of it
         inverse.diagonal().array() += damping;
-#else
-        Eigen::LLT<matrix> llt(inverse);
-        if (llt.info() == Eigen::Success) {
-            inverse = llt.solve(matrix::Identity(M.rows(), M.cols()));
-            return all_finite(inverse);
-        }
-#endif
         Eigen::PartialPivLU<matrix> lu(inverse);
         inverse = lu.inverse();
         return all_finite(inverse);
@@ -300,6 +288,7 @@ struct cpu_eigen {
         const index n = trans_b ? B.rows() : B.cols();
         C.resize(m, n);
 #if KFAC_HAS_LAPACK
+        check_blas_kernels();
         detail::gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), Scalar(1),
                      A.data(), static_cast<int>(A.rows()), B.data(), static_cast<int>(B.rows()),
@@ -365,6 +354,62 @@ struct cpu_eigen {
     }
 
 private:
+    /// The first BLAS use of the process gathers blas_kernels(), which says its warning then.
+    static void check_blas_kernels() { static_cast<void>(blas_kernels()); }
+
+    /// LAPACK's solvers run unless OpenBLAS runs generic kernels, which crash inside them
+    /// (blas_kernels.hpp); Eigen's own solvers, compiled into the program, take over then.
+    static bool lapack_solvers_usable() {
+#if KFAC_HAS_LAPACK
+        return !blas_kernels().generic;
+#else
+        return false;
+#endif
+    }
+
+    /// Q, lambda ← the eigenpairs of M by LAPACK's divide and conquer (?syevd).
+    static bool lapack_symmetric_eigen(const matrix& M, matrix& Q, vector& lambda) {
+#if KFAC_HAS_LAPACK
+        Q = M;
+        lambda.resize(M.rows());
+        return detail::syevd(static_cast<int>(M.rows()), Q.data(), static_cast<int>(Q.rows()),
+                             lambda.data()) == 0;
+#else
+        static_cast<void>(M), static_cast<void>(Q), static_cast<void>(lambda);
+        return false;
+#endif
+    }
+
+    static bool eigen_symmetric_eigen(const matrix& M, matrix& Q, vector& lambda) {
+        Eigen::SelfAdjointEigenSolver<matrix> solver(M, Eigen::ComputeEigenvectors);
+        if (solver.info() != Eigen::Success) return false;
+        Q = solver.eigenvectors();
+        lambda = solver.eigenvalues();
+        return true;
+    }
+
+    /// m ← m⁻¹ for an SPD m by potrf + potri (half the flops of LU, perf-anchors §5); false
+    /// when potrf finds m not positive definite.
+    static bool lapack_cholesky_inverse(matrix& m) {
+#if KFAC_HAS_LAPACK
+        const int n = static_cast<int>(m.rows());
+        if (detail::cholesky_inverse_lower(n, m.data(), n) != 0) return false;
+        mirror_lower(m);
+        return true;
+#else
+        static_cast<void>(m);
+        return false;
+#endif
+    }
+
+    /// m ← m⁻¹ for an SPD m by Eigen's LLT and a solve against the identity.
+    static bool eigen_cholesky_inverse(matrix& m) {
+        Eigen::LLT<matrix> llt(m);
+        if (llt.info() != Eigen::Success) return false;
+        m = llt.solve(matrix::Identity(m.rows(), m.cols()));
+        return true;
+    }
+
     template <class Block>
     static void scale_lower(Block& C, Scalar beta) {
         if (beta == Scalar(0)) C.setZero();

@@ -60,6 +60,14 @@ inline int default_thread_count(int ranks) {
     return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
+/// True when the environment names a thread count default_thread_count() takes.
+inline bool thread_count_in_environment() {
+    if (std::getenv("KFAC_NUM_THREADS")) return true;
+    for (const char* name : {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"})
+        if (parse_thread_count(std::getenv(name))) return true;
+    return false;
+}
+
 /// True when running the tasks side by side beats running them one after another with
 /// threaded BLAS: more than one task and no task above half of the total work.
 inline bool worth_parallel(const std::vector<task>& tasks, int threads) {

@@ -1,0 +1,149 @@
+// SPDX-License-Identifier: Apache-2.0
+// The safetensors container of checkpoints: what is written reads back bit for bit, a file
+// laid out as Python's safetensors writes it parses, and every kind of damage is an error
+// that names the file and what is wrong.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include <unistd.h>
+
+#include <kfac/checkpoint/safetensors.hpp>
+
+using Catch::Contains;
+namespace ck = kfac::checkpoint;
+
+namespace {
+
+ck::archive sample() {
+    ck::archive a;
+    const float f[6] = {1.5f, -2.f, 3.25f, 0.f, 1e-30f, 7.f};
+    const double d[3] = {0.1, -1e300, 2.0};
+    const std::int64_t step[1] = {42};
+    a.tensors.push_back(ck::tensor::from("fc1.A", f, {2, 3}));
+    a.tensors.push_back(ck::tensor::from("fc1.G", d, {3}));
+    a.tensors.push_back(ck::tensor::from("steps", step, {}));
+    a.tensors.push_back(ck::tensor::from("empty", f, {0, 4}));
+    a.metadata["format_version"] = "1";
+    a.metadata["note"] = "quote \" backslash \\ newline \n tab \t bell \x07 é";
+    return a;
+}
+
+std::uint64_t header_size(const std::string& bytes) {
+    std::uint64_t n = 0;
+    std::memcpy(&n, bytes.data(), 8);
+    return n;
+}
+
+}  // namespace
+
+TEST_CASE("an archive reads back bit for bit", "[checkpoint][safetensors]") {
+    const auto a = sample();
+    const std::string bytes = ck::serialize(a);
+    // Layout: 8-byte size, a JSON header padded to 8 bytes, then the data.
+    CHECK(header_size(bytes) % 8 == 0);
+    CHECK(bytes[8] == '{');
+    CHECK(bytes.size() == 8 + header_size(bytes) + 6 * 4 + 3 * 8 + 8);
+    const auto b = ck::parse(bytes, "memory");
+    REQUIRE(b.tensors.size() == a.tensors.size());
+    for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+        CHECK(b.tensors[i].name == a.tensors[i].name);
+        CHECK(b.tensors[i].type == a.tensors[i].type);
+        CHECK(b.tensors[i].shape == a.tensors[i].shape);
+        CHECK(b.tensors[i].bytes == a.tensors[i].bytes);
+    }
+    CHECK(b.metadata == a.metadata);
+    CHECK(ck::data_checksum(b.tensors) == ck::data_checksum(a.tensors));
+    // float and double convert both ways; the scalar reads as one value.
+    CHECK(b.find("fc1.G")->values<float>()[0] == 0.1f);
+    CHECK(b.find("fc1.A")->values<double>()[2] == 3.25);
+    CHECK(b.find("steps")->values<std::int64_t>() == std::vector<std::int64_t>{42});
+}
+
+TEST_CASE("a header written the way Python's safetensors writes it parses", "[checkpoint][safetensors]") {
+    // Keys in another order, whitespace, escapes, the metadata last, space padding.
+    const std::string header =
+        "{ \"b\": {\"data_offsets\": [8, 16], \"shape\": [1], \"dtype\": \"F64\"},\n"
+        "  \"a\\u00e9\\ud83d\\ude00\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},\n"
+        "  \"__metadata__\": {\"format\": \"pt\"} }    ";
+    std::string bytes(8, '\0');
+    const std::uint64_t n = header.size();
+    std::memcpy(bytes.data(), &n, 8);
+    bytes += header;
+    const float a[2] = {1.f, 2.f};
+    const double b = 3.0;
+    bytes.append(reinterpret_cast<const char*>(a), 8);
+    bytes.append(reinterpret_cast<const char*>(&b), 8);
+    const auto x = ck::parse(bytes, "python.safetensors");
+    REQUIRE(x.tensors.size() == 2);
+    CHECK(x.tensors[0].name == "a\xc3\xa9\xf0\x9f\x98\x80");  // é and U+1F600 in UTF-8, stored first
+    CHECK(x.tensors[0].values<float>() == std::vector<float>{1.f, 2.f});
+    CHECK(x.tensors[1].values<double>() == std::vector<double>{3.0});
+    CHECK(x.metadata.at("format") == "pt");
+}
+
+TEST_CASE("damaged files are errors naming the file and the fault", "[checkpoint][safetensors]") {
+    const std::string good = ck::serialize(sample());
+    const std::uint64_t h = header_size(good);
+    auto with_header = [](std::string header, const std::string& data) {
+        std::string bytes(8, '\0');
+        const std::uint64_t n = header.size();
+        std::memcpy(bytes.data(), &n, 8);
+        return bytes + header + data;
+    };
+    CHECK_THROWS_WITH(ck::parse(good.substr(0, 5), "f.safetensors"), Contains("f.safetensors") && Contains("fewer than the 8"));
+    CHECK_THROWS_WITH(ck::parse(good.substr(0, 8 + h - 3), "f"), Contains("header size") && Contains("exceeds"));
+    CHECK_THROWS_WITH(ck::parse(good.substr(0, good.size() - 1), "f"), Contains("ends at byte") && Contains("truncated"));
+    CHECK_THROWS_WITH(ck::parse(good + "x", "f"), Contains("data section holds"));
+    CHECK_THROWS_WITH(ck::parse(with_header("{\"t\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[0,2]}}", "ab"), "f"),
+                      Contains("tensor 't' has dtype BF16"));
+    CHECK_THROWS_WITH(ck::parse(with_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", "abcd"), "f"),
+                      Contains("spans 4 bytes") && Contains("need 8"));
+    CHECK_THROWS_WITH(ck::parse(with_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+                                            "\"u\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+                                            "abcd"),
+                                "f"),
+                      Contains("overlap or gap"));
+    CHECK_THROWS_WITH(ck::parse(with_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}", "abcd"), "f"),
+                      Contains("non-negative"));
+    CHECK_THROWS_WITH(ck::parse(with_header("{\"t\": [1, 2", ""), "f"), Contains("does not parse"));
+    CHECK_THROWS_WITH(ck::parse(with_header("{\"__metadata__\":{\"k\":1}}", ""), "f"), Contains("metadata 'k'"));
+    // A flipped bit in the data parses but changes the checksum the metadata carries.
+    std::string flipped = good;
+    flipped[8 + h + 3] ^= 0x10;
+    CHECK(ck::data_checksum(ck::parse(flipped, "f").tensors) != ck::data_checksum(sample().tensors));
+}
+
+TEST_CASE("JSON text: escapes, numbers and strictness", "[checkpoint][json]") {
+    namespace jt = ck::json_text;
+    CHECK(jt::quote("a\"b\\c\n\x01") == "\"a\\\"b\\\\c\\n\\u0001\"");
+    const auto v = jt::parse(" {\"n\": -12, \"x\": 2.5e3, \"l\": [true, false, null], \"s\": \"\\u0041\\/\"} ");
+    CHECK(v.member("n")->is_integer());
+    CHECK(v.member("n")->integer == -12);
+    CHECK_FALSE(v.member("x")->is_integer());
+    CHECK(v.member("x")->number == 2500.0);
+    CHECK(v.member("l")->array.size() == 3);
+    CHECK(v.member("s")->text == "A/");
+    for (const char* bad : {"{", "[1,]", "{\"a\" 1}", "01x", "\"\\x\"", "\"\\ud800\"", "tru", "{} {}", "\"a\nb\""})
+        CHECK_THROWS_AS(jt::parse(bad), kfac::error);
+}
+
+TEST_CASE("files are written through a temporary and a rename", "[checkpoint][safetensors]") {
+    const auto dir = std::filesystem::temp_directory_path() / ("kfac_safetensors_test_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+    const auto path = dir / "state.safetensors";
+    ck::write_file(path, sample());
+    CHECK(std::filesystem::exists(path));
+    CHECK_FALSE(std::filesystem::exists(dir / "state.safetensors.tmp"));
+    CHECK(ck::read_file(path).metadata.at("format_version") == "1");
+    // Overwriting replaces the whole file.
+    ck::archive small;
+    small.metadata["format_version"] = "2";
+    ck::write_file(path, small);
+    CHECK(ck::read_file(path).tensors.empty());
+    CHECK_THROWS_WITH(ck::write_file(dir / "missing" / "x.safetensors", small), Contains("missing") && Contains("cannot create"));
+    CHECK_THROWS_WITH(ck::read_file(dir / "absent.safetensors"), Contains("absent.safetensors") && Contains("cannot open"));
+    std::filesystem::remove_all(dir);
+}
