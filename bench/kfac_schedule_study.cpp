@@ -150,18 +150,9 @@ row evaluate(const model& m, const std::string& model_name, const strategy& s, i
     const std::size_t L = m.layers.size();
     std::vector<std::pair<std::int64_t, std::int64_t>> dims;
     for (const auto& l : m.layers) dims.emplace_back(l.description.a_dim(), l.description.g_dim());
-    std::vector<kfac::assignment::factor_workers> workers;
-    int columns = world, grad_workers = 1;  // grid shape
-    if (s.kind == kfac::distribution::dp_kfac) {
-        std::vector<std::vector<int>> singletons;
-        for (int i = 0; i < world; ++i) singletons.push_back({i});
-        workers = Assignment::assign(dims, singletons, world, true);
-    } else {
-        const kfac::assignment::kaisa_grid grid(world, s.fraction);
-        columns = grid.columns();
-        grad_workers = grid.grad_workers();
-        workers = Assignment::assign(dims, grid.columns_list(), world, true);
-    }
+    // Who holds, computes and receives what: the preconditioner's own plan.
+    const auto plan = kfac::assignment::plan_distribution<Assignment>(dims, world, s.kind, s.fraction, true);
+    const int grad_workers = plan.grad_workers_per_layer;
     const double bytes = 4.0;  // float32
     // The ranks on one machine share its cores: a lone rank uses them all (task parallelism),
     // more ranks than cores time-share them; where the machine was measured at this world
@@ -191,22 +182,20 @@ row evaluate(const model& m, const std::string& model_name, const strategy& s, i
         const double second_values = eigen ? a * a + g * g + a * g : a * a + g * g;
         total_factor_values += a * a + g * g;
         grad_values += a * g;
-        const int owner_a = workers[i].a, owner_g = workers[i].g;
+        const int owner_a = plan.layers[i].a_worker, owner_g = plan.layers[i].g_worker;
         work[static_cast<std::size_t>(owner_a)] += eigen ? c.eig(a) : c.inv(a);
         work[static_cast<std::size_t>(owner_g)] += eigen ? c.eig(g) : c.inv(g);
         for (int rank = 0; rank < world; ++rank) {
             const auto k = static_cast<std::size_t>(rank);
-            const bool dp = s.kind == kfac::distribution::dp_kfac;
-            const bool holds = !dp || rank == owner_a;
-            const bool grad_worker = dp ? rank == owner_a : rank % columns == owner_g % columns;
-            if (holds) {
+            const auto role = plan.role(i, rank);
+            if (role.holds_factors) {
                 stats_time[k] += t_stats;
                 factor_bytes[k] += 2.0 * (a * a + g * g) * bytes;  // running factor + batch statistic
             }
-            if (grad_worker) {
+            if (role.grad_worker) {
                 precond_time[k] += t_precond;
                 second_bytes[k] += second_values * bytes;
-                if (!dp && grad_workers > 1) inv_bcast[k] += second_values * bytes;
+                if (role.share_second_order) inv_bcast[k] += second_values * bytes;
             }
         }
     }
@@ -217,7 +206,7 @@ row evaluate(const model& m, const std::string& model_name, const strategy& s, i
     r.factor_bytes_per_rank = *std::max_element(factor_bytes.begin(), factor_bytes.end());
     r.second_order_bytes_per_rank = *std::max_element(second_bytes.begin(), second_bytes.end());
     const bool kaisa = s.kind == kfac::distribution::kaisa;
-    const bool bcast_grads = kaisa ? grad_workers < world : world > 1;
+    const bool bcast_grads = plan.broadcast_gradients();
     r.sent_factor_step = kaisa && world > 1 ? (total_factor_values + static_cast<double>(L)) * bytes : 0.0;
     r.sent_inverse_step = *std::max_element(inv_bcast.begin(), inv_bcast.end());
     r.sent_plain_step = bcast_grads ? grad_values * bytes : 0.0;

@@ -9,46 +9,41 @@
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <istream>
+#include <iterator>
 #include <optional>
+#include <ostream>
 #include <regex>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "kfac/assignment/distribution_plan.hpp"
 #include "kfac/assignment/kaisa_grid.hpp"
 #include "kfac/assignment/strategies.hpp"
 #include "kfac/config.hpp"
 #include "kfac/comm/serial.hpp"
+#include "kfac/checkpoint/format.hpp"
+#include "kfac/detail/checkpoint_io.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/detail/configuration_check.hpp"
 #include "kfac/detail/task_parallel.hpp"
 #include "kfac/detail/host_staging.hpp"
 #include "kfac/detail/layer_checks.hpp"
+#include "kfac/detail/layer_record.hpp"
 #include "kfac/detail/step_plan.hpp"
 #include "kfac/fwd.hpp"
+#include "kfac/health.hpp"
+#include "kfac/layer_info.hpp"
 #include "kfac/layers/layer_traits.hpp"
 #include "kfac/options.hpp"
 
 namespace kfac {
-
-/// Something non-finite the preconditioner met and contained (see preconditioner::health).
-struct non_finite_event {
-    std::string layer;
-    non_finite_source source;
-    std::int64_t step;
-};
-
-/// Counters of contained non-finite values. Nothing non-finite ever reaches the gradients
-/// the preconditioner writes: a bad factor statistic is not folded into the running factor,
-/// a failed decomposition keeps the previous one, and a layer whose gradient (or
-/// preconditioned gradient) is not finite gets a zero gradient for that step.
-struct health_counters {
-    std::int64_t skipped_factor_updates = 0;  ///< batch statistics with NaN/Inf, not applied
-    std::int64_t kept_decompositions = 0;     ///< decompositions that failed; previous kept
-    std::int64_t zeroed_gradients = 0;        ///< layers whose gradient was zeroed for a step
-};
 
 /// @tparam Backend storage and linear algebra (kfac::backend::cpu_eigen<Scalar>).
 /// @tparam CommPolicy collectives (kfac::comm::serial).
@@ -60,6 +55,7 @@ class preconditioner {
 
 public:
     using backend_type = Backend;
+    using compute_method = ComputeMethod;
     using scalar_type = typename Backend::scalar_type;
     using matrix = typename Backend::matrix;
 
@@ -100,39 +96,39 @@ public:
                 throw error("layer '" + name + "': register_layer() after the first accumulate() "
                             "or step(); register every layer before training starts");
             for (const auto& l : layers_) {
-                if (l.name == name)
+                if (l.host.name == name)
                     throw error("layer '" + name + "' is already registered; give each layer a "
                                 "unique name");
                 // Two registrations of one object would fold its statistics in twice and
                 // precondition its gradient twice.
-                if (l.layer == static_cast<void*>(&layer))
-                    throw error("layer '" + name + "': this layer object is already registered as '" + l.name +
+                if (l.host.layer == static_cast<void*>(&layer))
+                    throw error("layer '" + name + "': this layer object is already registered as '" + l.host.name +
                                 "'; register each layer object once, under one name");
             }
             const layer_description d = traits::describe(layer);
             if (skipped(name, d.kind)) return false;
             detail::check_description(name, d);
             layer_record r;
-            r.name = name;
-            r.description = d;
-            r.layer = static_cast<void*>(&layer);
-            r.activations = [](const void* p) {
+            r.host.name = name;
+            r.host.description = d;
+            r.host.layer = static_cast<void*>(&layer);
+            r.host.activations = [](const void* p) {
                 return tensor_view<const scalar_type>(traits::activations(*static_cast<const Layer*>(p)));
             };
-            r.output_gradients = [](const void* p) {
+            r.host.output_gradients = [](const void* p) {
                 return tensor_view<const scalar_type>(traits::output_gradients(*static_cast<const Layer*>(p)));
             };
-            r.weight_gradient = [](void* p) {
+            r.host.weight_gradient = [](void* p) {
                 return tensor_view<scalar_type>(traits::weight_gradient(*static_cast<Layer*>(p)));
             };
-            r.bias_gradient = [](void* p) {
+            r.host.bias_gradient = [](void* p) {
                 return tensor_view<scalar_type>(traits::bias_gradient(*static_cast<Layer*>(p)));
             };
             const auto a = d.a_dim(), g = d.g_dim();
-            r.a_factor = Backend::identity(a);
-            r.g_factor = Backend::identity(g);
-            r.a_sum = Backend::zeros(a, a);
-            r.g_sum = Backend::zeros(g, g);
+            r.state.a_factor = Backend::identity(a);
+            r.state.g_factor = Backend::identity(g);
+            r.state.a_sum = Backend::zeros(a, a);
+            r.state.g_sum = Backend::zeros(g, g);
             layers_.push_back(std::move(r));
             return true;
         }
@@ -162,7 +158,7 @@ public:
         if (!factor_update) return;
         const blas_threads_guard blas_threads(serial_blas_);
         capture_pass();
-        for (auto& l : layers_) l.captured_rows = total_rows(l);
+        for (auto& l : layers_) l.state.captured_rows = total_rows(l);
         ++passes_;
     }
 
@@ -199,18 +195,83 @@ public:
         commit(plan, scale, std::move(outcome));
     }
 
+    /// Saves the state to `path` (kfac/checkpoint/format.hpp): the step count, every layer's
+    /// running factors and, unless `o` leaves it out, the second-order data in force, so that
+    /// load() continues exactly where this run is. Written atomically (a temporary file, then
+    /// a rename). Collective: every rank calls it, rank 0 writes the file.
+    /// @throws kfac::error (on every rank) when the file cannot be written, or between
+    ///         accumulate() and step(); the preconditioner is unchanged either way.
+    void save(const std::filesystem::path& path, const checkpoint::save_options& o = {}) {
+        const auto archive = detail::checkpoint_io<preconditioner>::collect(*this, o);
+        agree_on([&] {
+            if (archive) checkpoint::write_file(path, *archive);
+        });
+    }
+    /// The bytes save() would write: on rank 0; other ranks get an empty string. Collective.
+    [[nodiscard]] std::string save_bytes(const checkpoint::save_options& o = {}) {
+        const auto archive = detail::checkpoint_io<preconditioner>::collect(*this, o);
+        std::string bytes;
+        agree_on([&] {
+            if (archive) bytes = checkpoint::serialize(*archive);
+        });
+        return bytes;
+    }
+    /// Writes the bytes to `out` on rank 0 (other ranks leave theirs untouched). Collective.
+    void save(std::ostream& out, const checkpoint::save_options& o = {}) {
+        const std::string bytes = save_bytes(o);
+        agree_on([&] {
+            if (comm_.rank() != 0) return;
+            out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+            if (!out) throw error("save(): writing " + std::to_string(bytes.size()) + " bytes to the stream failed");
+        });
+    }
+
+    /// Sets the state saved by save(), from any world size, strategy or assignment: register
+    /// the same layers first. Everything is checked before anything changes (missing, unknown
+    /// or re-shaped layers, a corrupt or truncated file, a newer format, changed options);
+    /// float and double files load into either precision (double → float rounds). A file
+    /// saved without second-order data has it recomputed from its factors, with the damping
+    /// it was last computed with. Collective: rank 0 reads the file and sends it to the others.
+    /// @throws kfac::error naming the file, the layer, what was expected and found, and the
+    ///         fix; the preconditioner is then as it was.
+    void load(const std::filesystem::path& path, const checkpoint::load_options& o = {}) {
+        std::string bytes;
+        agree_on([&] {
+            if (comm_.rank() != 0) return;
+            std::ifstream in(path, std::ios::binary);
+            if (!in) throw error("checkpoint " + path.string() + ": cannot open it (does it exist, is it readable?)");
+            bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+            if (in.bad()) throw error("checkpoint " + path.string() + ": reading it failed");
+        });
+        load_from(std::move(bytes), path.string(), o);
+    }
+    /// load() from bytes save_bytes() returned; read on rank 0 (others may pass nothing).
+    void load_bytes(std::string_view bytes, const checkpoint::load_options& o = {}) {
+        load_from(comm_.rank() == 0 ? std::string(bytes) : std::string(), "(bytes in memory)", o);
+    }
+    /// load() from a stream, read to its end on rank 0 (others may pass any stream).
+    void load(std::istream& in, const checkpoint::load_options& o = {}) {
+        std::string bytes;
+        agree_on([&] {
+            if (comm_.rank() != 0) return;
+            bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+            if (in.bad()) throw error("load(): reading the stream failed");
+        });
+        load_from(std::move(bytes), "(stream)", o);
+    }
+
     /// Number of completed step() calls.
     [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
     [[nodiscard]] std::size_t layer_count() const noexcept { return layers_.size(); }
     [[nodiscard]] bool is_registered(const std::string& name) const {
         for (const auto& l : layers_)
-            if (l.name == name) return true;
+            if (l.host.name == name) return true;
         return false;
     }
     /// Running A factor of a layer (the identity before its first update).
-    [[nodiscard]] const matrix& a_factor(const std::string& name) const { return find(name).a_factor; }
+    [[nodiscard]] const matrix& a_factor(const std::string& name) const { return find(name).state.a_factor; }
     /// Running G factor of a layer.
-    [[nodiscard]] const matrix& g_factor(const std::string& name) const { return find(name).g_factor; }
+    [[nodiscard]] const matrix& g_factor(const std::string& name) const { return find(name).state.g_factor; }
     /// ν of the last step (1 when kl_clip is off or did not bind).
     [[nodiscard]] double last_kl_scale() const noexcept { return last_kl_scale_; }
     [[nodiscard]] const health_counters& health() const noexcept { return health_; }
@@ -219,10 +280,38 @@ public:
         on_non_finite_ = std::move(callback);
     }
     [[nodiscard]] const options& get_options() const noexcept { return options_; }
-    /// Ranks that compute a layer's A and G second-order data (after the first step).
+    /// Ranks that compute a layer's A and G second-order data.
     [[nodiscard]] assignment::factor_workers workers(const std::string& name) const {
-        const auto& l = find(name);
-        return {l.plan.a_worker, l.plan.g_worker};
+        const auto plan = placement();
+        const auto& p = plan.layers[index_of(name)];
+        return {p.a_worker, p.g_worker};
+    }
+    /// Every registered layer in registration order, with where its work runs: the
+    /// placement in force, or the one the first step will use. Not collective.
+    /// @throws kfac::error when the options do not fit the world size (as step() would).
+    [[nodiscard]] std::vector<layer_info> layers() const {
+        const auto plan = placement();
+        std::vector<layer_info> out;
+        for (std::size_t i = 0; i < layers_.size(); ++i) {
+            const auto& d = layers_[i].host.description;
+            const auto& p = plan.layers[i];
+            out.push_back({layers_[i].host.name, d.kind, d.a_dim(), d.g_dim(), d.bias, p.a_worker, p.g_worker,
+                           p.factor_holders, p.grad_workers});
+        }
+        return out;
+    }
+    /// Bytes this rank holds for K-FAC, by kind (kfac::memory_report). Not collective.
+    [[nodiscard]] memory_report memory_usage() const {
+        memory_report m;
+        auto bytes = [](const auto& x) { return static_cast<std::size_t>(x.size()) * sizeof(scalar_type); };
+        for (const auto& l : layers_) {
+            m.factors += bytes(l.state.a_factor) + bytes(l.state.g_factor);
+            m.statistics += bytes(l.state.a_sum) + bytes(l.state.g_sum);
+            method::for_each_tensor(l.state.second,
+                                    [&](const char*, const auto& x, int) { m.second_order += bytes(x); });
+            m.gradients += bytes(l.scratch.gamma) + bytes(l.scratch.preconditioned);
+        }
+        return m;
     }
     /// Name of the distribution in force: comm_opt, hybrid_opt, mem_opt or dp_kfac.
     [[nodiscard]] std::string strategy_name() const {
@@ -235,39 +324,7 @@ public:
 private:
     using group = typename CommPolicy::group;
 
-    /// This rank's part in one layer's work.
-    struct layer_plan {
-        int a_worker = 0, g_worker = 0;  // ranks computing the A and G second-order data
-        bool holds_factors = true;       // captures statistics and keeps running factors
-        bool computes_a = true, computes_g = true;
-        bool grad_worker = true;         // holds second-order data and preconditions
-        bool share_second_order = false; // broadcast A/G data within the layer's column
-        int a_root = 0, g_root = 0;      // their ranks within the column group
-        bool share_gradient = false;     // broadcast the preconditioned gradient
-        int grad_root = 0;               // its rank within the gradient group
-    };
-
-    struct layer_record {
-        std::string name;
-        layer_description description;
-        void* layer = nullptr;
-        tensor_view<const scalar_type> (*activations)(const void*) = nullptr;
-        tensor_view<const scalar_type> (*output_gradients)(const void*) = nullptr;
-        tensor_view<scalar_type> (*weight_gradient)(void*) = nullptr;
-        tensor_view<scalar_type> (*bias_gradient)(void*) = nullptr;
-
-        matrix a_factor, g_factor;  // running averages
-        matrix a_sum, g_sum;        // this step's batch statistics (lower triangles)
-        typename Backend::workspace backend_ws{}, g_ws{};  // scratch of the A and G statistics
-        typename method::layer_data second{};
-        bool has_second = false;
-        typename method::workspace method_ws{};
-        matrix gamma, preconditioned;  // Γᵀ and Pᵀ (A_dim × G_dim), see Backend::load_gradient
-        bool usable = true;  // false: this step's gradient is zeroed
-        scalar_type captured_rows = 0;  // rows of the passes accumulate() folded in
-        scalar_type pass_rows = 0;      // rows of the pass capture_pass() folded in last
-        layer_plan plan{};
-    };
+    using layer_record = detail::layer_record<Backend, method>;
 
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const {
         const char* lower = kind_name(kind);
@@ -279,11 +336,38 @@ private:
         return false;
     }
 
-    [[nodiscard]] const layer_record& find(const std::string& name) const {
-        for (const auto& l : layers_)
-            if (l.name == name) return l;
+    [[nodiscard]] std::size_t index_of(const std::string& name) const {
+        for (std::size_t i = 0; i < layers_.size(); ++i)
+            if (layers_[i].host.name == name) return i;
         throw error("no layer named '" + name + "' is registered");
     }
+    [[nodiscard]] const layer_record& find(const std::string& name) const { return layers_[index_of(name)]; }
+
+    template <class>
+    friend struct detail::checkpoint_io;
+
+    void load_from(std::string bytes, const std::string& source, const checkpoint::load_options& o) {
+        using io = detail::checkpoint_io<preconditioner>;
+        setup();
+        bytes = comm_.broadcast_text(bytes, 0);
+        typename io::staged staged;
+        agree_on([&] { staged = io::stage(*this, bytes, source, o); });
+        const bool recompute = staged.recompute;
+        io::commit(*this, std::move(staged));
+        if (!recompute) return;
+        // The file holds no second-order data to use: computed from the loaded factors now,
+        // as an inverse update with the damping it was last computed with would.
+        detail::step_plan plan;
+        plan.step = steps_;
+        plan.damping = second_order_damping_;
+        step_outcome outcome;
+        const blas_threads_guard blas_threads(serial_blas_);
+        update_second_order(plan, outcome);
+        health_.kept_decompositions += outcome.health.kept_decompositions;
+    }
+
+    /// The plan in force after setup(), else the one setup() will make.
+    [[nodiscard]] assignment::distribution_plan placement() const { return started_ ? plan_ : distribution(); }
 
     /// What a step met that is counted and reported only when it completes.
     struct step_outcome {
@@ -291,7 +375,7 @@ private:
         std::vector<non_finite_event> events;
         void add(const layer_record& l, non_finite_source source, std::int64_t k, std::int64_t health_counters::*counter) {
             ++(health.*counter);
-            events.push_back({l.name, source, k});
+            events.push_back({l.host.name, source, k});
         }
     };
 
@@ -329,11 +413,17 @@ private:
         } catch (const error& e) {
             const std::string what = strip_prefix(e.what());
             if (what.rfind("layer '", 0) == 0) throw;
-            throw error(detail::describe_layer(l.name, l.description) + ": " + what);
+            throw error(detail::describe_layer(l.host.name, l.host.description) + ": " + what);
         }
     }
 
     static constexpr bool device_backend = detail::device_resident<Backend>;
+    static constexpr detail::device_memory_probe device_probe = [] {
+        if constexpr (requires(const void* p) { Backend::points_to_device_memory(p); })
+            return &Backend::points_to_device_memory;
+        else
+            return detail::device_memory_probe{nullptr};
+    }();
 
     static std::string strip_prefix(const std::string& what) {
         return what.rfind("kfac: ", 0) == 0 ? what.substr(6) : what;
@@ -360,18 +450,19 @@ private:
 
     void check_statistics() const {
         for (const auto& l : layers_)
-            if (l.plan.holds_factors)
+            if (l.role.holds_factors)
                 in_layer(l, [&] {
-                    detail::check_statistics_views(l.name, l.description, l.activations(l.layer),
-                                                   l.output_gradients(l.layer), steps_, device_backend);
+                    detail::check_statistics_views(l.host.name, l.host.description, l.host.activations(l.host.layer),
+                                                   l.host.output_gradients(l.host.layer), steps_, device_backend,
+                                                   device_probe);
                 });
     }
 
     void check_gradients() const {
         for (const auto& l : layers_)
             in_layer(l, [&] {
-                detail::check_gradient_views(l.name, l.description, l.weight_gradient(l.layer),
-                                             l.bias_gradient(l.layer), device_backend);
+                detail::check_gradient_views(l.host.name, l.host.description, l.host.weight_gradient(l.host.layer),
+                                             l.host.bias_gradient(l.host.layer), device_backend, device_probe);
             });
     }
 
@@ -381,7 +472,7 @@ private:
         using detail::exact_number_text;
         std::vector<detail::config_item> items;
         for (std::size_t i = 0; i < layers_.size(); ++i)
-            items.push_back({"layer #" + std::to_string(i), detail::layer_signature(layers_[i].name, layers_[i].description)});
+            items.push_back({"layer #" + std::to_string(i), detail::layer_signature(layers_[i].host.name, layers_[i].host.description)});
         items.push_back({"the scalar type", sizeof(scalar_type) == sizeof(float) ? "float" : "double"});
         auto number = [&](const char* name, const hyperparameter<double>& h) {
             items.push_back({std::string("options.") + name, h.is_schedule() ? "a schedule" : exact_number_text(h(0))});
@@ -436,66 +527,41 @@ private:
         // rank waits in a collective slowed a 2-rank step on 2 cores 100-fold (scipy-openblas32).
         const bool serial_blas = options_.threads == 0 && comm_.size() > 1 && !detail::thread_count_in_environment();
         check_configuration_agrees();
-        const int world = comm_.size(), me = comm_.rank();
-        std::vector<std::pair<std::int64_t, std::int64_t>> dims;
-        for (const auto& l : layers_) dims.emplace_back(l.description.a_dim(), l.description.g_dim());
+        const int me = comm_.rank();
         const bool eigen_product = options_.compute_eigenvalue_outer_product &&
                                    std::is_same_v<ComputeMethod, compute::eigendecomposition>;
-        if (options_.strategy == distribution::dp_kfac) {
-            std::vector<std::vector<int>> singletons;
-            for (int r = 0; r < world; ++r) singletons.push_back({r});
-            const auto owners = AssignmentStrategy::assign(dims, singletons, world, true);
-            for (std::size_t i = 0; i < layers_.size(); ++i) {
-                auto& p = layers_[i].plan;
-                p.a_worker = p.g_worker = owners[i].a;
-                const bool mine = owners[i].a == me;
-                p.holds_factors = p.computes_a = p.computes_g = p.grad_worker = mine;
-                p.share_gradient = world > 1;
-                p.grad_root = owners[i].a;
-            }
-            gradient_group_ = comm_.world();
-            threads_ = threads;
-            serial_blas_ = serial_blas;
-            started_ = true;
-            return;
-        }
-        const assignment::kaisa_grid grid(world, options_.grad_worker_fraction);
-        if (!options_.colocate_factors && grid.grad_workers() == 1 && world > 1)
-            throw error("options.colocate_factors = false with MEM_OPT (grad_worker_fraction = " +
-                        std::to_string(options_.grad_worker_fraction) + "): MEM_OPT keeps a layer's "
-                        "data on one rank; set colocate_factors = true");
-        if (!options_.colocate_factors && eigen_product)
-            throw error("options.colocate_factors = false with compute_eigenvalue_outer_product: the "
-                        "product needs both eigenvalue sets on one rank; set colocate_factors = true or "
-                        "compute_eigenvalue_outer_product = false");
-        const auto workers = AssignmentStrategy::assign(dims, grid.columns_list(), world, options_.colocate_factors);
-        column_group_ = comm_.split(grid.column_of(me));
-        gradient_group_ = comm_.split(grid.row_of(me));
+        agree_on([&] {
+            plan_ = distribution();
+            if (plan_.kaisa() && !options_.colocate_factors && eigen_product)
+                throw error("options.colocate_factors = false with compute_eigenvalue_outer_product: the "
+                            "product needs both eigenvalue sets on one rank; set colocate_factors = true or "
+                            "compute_eigenvalue_outer_product = false");
+        });
+        column_group_ = comm_.split(plan_.column_of(me));
+        gradient_group_ = plan_.kaisa() ? comm_.split(plan_.row_of(me)) : comm_.world();
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
-            auto& p = l.plan;
-            p.a_worker = workers[i].a;
-            p.g_worker = workers[i].g;
-            p.computes_a = p.a_worker == me;
-            p.computes_g = p.g_worker == me;
-            const int column = grid.column_of(p.g_worker);
-            p.grad_worker = grid.column_of(me) == column;
-            p.share_second_order = grid.broadcast_inverses() && p.grad_worker;
-            p.a_root = grid.row_of(p.a_worker);
-            p.g_root = grid.row_of(p.g_worker);
-            p.share_gradient = grid.broadcast_gradients();
-            p.grad_root = column;
-            if (p.grad_worker && !(p.computes_a && p.computes_g))
-                method::prepare_receive(l.second, l.description.a_dim(), l.description.g_dim(), options_);
+            l.role = plan_.role(i, me);
+            if (l.role.grad_worker && !(l.role.computes_a && l.role.computes_g))
+                method::prepare_receive(l.state.second, l.host.description.a_dim(), l.host.description.g_dim(), options_);
         }
         threads_ = threads;
         serial_blas_ = serial_blas;
         started_ = true;
     }
 
+    /// The placement of every layer's work at this world size (a pure function of the
+    /// layers and the options; kfac/assignment/distribution_plan.hpp).
+    [[nodiscard]] assignment::distribution_plan distribution() const {
+        std::vector<std::pair<std::int64_t, std::int64_t>> dims;
+        for (const auto& l : layers_) dims.emplace_back(l.host.description.a_dim(), l.host.description.g_dim());
+        return assignment::plan_distribution<AssignmentStrategy>(dims, comm_.size(), options_.strategy,
+                                                                 options_.grad_worker_fraction, options_.colocate_factors);
+    }
+
     /// Rows of this step's statistics so far, the pass just captured included.
     scalar_type total_rows(const layer_record& l) const {
-        return (passes_ == 0 ? scalar_type(0) : l.captured_rows) + l.pass_rows;
+        return (passes_ == 0 ? scalar_type(0) : l.state.captured_rows) + l.state.pass_rows;
     }
 
     /// Folds this pass's statistics into a_sum/g_sum (scratch until the step commits; the
@@ -504,22 +570,22 @@ private:
         const scalar_type beta = passes_ == 0 ? scalar_type(0) : scalar_type(1);
         std::vector<detail::task> tasks;
         for (auto& l : layers_) {
-            if (!l.plan.holds_factors) continue;
-            const auto a = l.activations(l.layer);
-            const auto g = l.output_gradients(l.layer);
-            const auto rows = l.description.kind == layer_kind::linear ? detail::leading_rows(a) : a.extent(0);
-            l.pass_rows = static_cast<scalar_type>(rows);
-            const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
+            if (!l.role.holds_factors) continue;
+            const auto a = l.host.activations(l.host.layer);
+            const auto g = l.host.output_gradients(l.host.layer);
+            const auto rows = l.host.description.kind == layer_kind::linear ? detail::leading_rows(a) : a.extent(0);
+            l.state.pass_rows = static_cast<scalar_type>(rows);
+            const double n_a = static_cast<double>(l.host.description.a_dim()), n_g = static_cast<double>(l.host.description.g_dim());
             // Cost ∝ rows of the product × n²: the input elements stand in for rows × n.
             tasks.push_back({static_cast<double>(a.size()) * n_a, [&l, a, beta, this] {
                                  in_layer(l, [&] {
-                                     Backend::accumulate_a_statistic(l.a_sum, l.description, a, options_.conv_patches,
-                                                                     beta, l.backend_ws);
+                                     Backend::accumulate_a_statistic(l.state.a_sum, l.host.description, a, options_.conv_patches,
+                                                                     beta, l.scratch.a_ws);
                                  });
                              }});
             tasks.push_back({static_cast<double>(g.size()) * n_g, [&l, g, beta] {
                                  in_layer(l, [&] {
-                                     Backend::accumulate_g_statistic(l.g_sum, l.description, g, beta, l.g_ws);
+                                     Backend::accumulate_g_statistic(l.state.g_sum, l.host.description, g, beta, l.scratch.g_ws);
                                  });
                              }});
         }
@@ -542,9 +608,9 @@ private:
                 // Mean over passes, times this rank's rows: Σ_r rows_r · F̂_r is summed.
                 const auto rows = total_rows(l);
                 const auto w = rows / static_cast<scalar_type>(passes);
-                Backend::scale_symmetric(l.a_sum, w);
-                Backend::scale_symmetric(l.g_sum, w);
-                for (matrix* sum : {&l.a_sum, &l.g_sum}) {
+                Backend::scale_symmetric(l.state.a_sum, w);
+                Backend::scale_symmetric(l.state.g_sum, w);
+                for (matrix* sum : {&l.state.a_sum, &l.state.g_sum}) {
                     const auto n = static_cast<std::size_t>(sum->size());
                     items.push_back({staging_.stage(sum->data(), n, true, true), n, true, sum->rows()});
                 }
@@ -557,12 +623,12 @@ private:
         }
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
-            if (!l.plan.holds_factors) continue;
+            if (!l.role.holds_factors) continue;
             const auto weight = averaged ? static_cast<scalar_type>((1.0 - decay) / static_cast<double>(weights[i]))
                                          : static_cast<scalar_type>((1.0 - decay) / static_cast<double>(passes));
-            if (Backend::lower_all_finite(l.a_sum) && Backend::lower_all_finite(l.g_sum)) {
-                Backend::running_average(l.a_factor, l.a_sum, xi, weight);
-                Backend::running_average(l.g_factor, l.g_sum, xi, weight);
+            if (Backend::lower_all_finite(l.state.a_sum) && Backend::lower_all_finite(l.state.g_sum)) {
+                Backend::running_average(l.state.a_factor, l.state.a_sum, xi, weight);
+                Backend::running_average(l.state.g_factor, l.state.g_sum, xi, weight);
             } else {
                 outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
             }
@@ -571,6 +637,7 @@ private:
 
     void update_second_order(const detail::step_plan& plan, step_outcome& outcome) {
         const double damping = plan.damping;
+        second_order_damping_ = damping;
         // Decompose every factor this rank owns as independent tasks, then apply the results
         // and share them in layer order (every rank issues the broadcasts in that order).
         struct result {
@@ -582,89 +649,89 @@ private:
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
             auto& r = results[i];
-            const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
-            if (l.plan.computes_a)
+            const double n_a = static_cast<double>(l.host.description.a_dim()), n_g = static_cast<double>(l.host.description.g_dim());
+            if (l.role.computes_a)
                 tasks.push_back({n_a * n_a * n_a, [&l, &r, damping] {
-                                     in_layer(l, [&] { r.ok_a = method::compute_factor(l.a_factor, damping, r.a); });
+                                     in_layer(l, [&] { r.ok_a = method::compute_factor(l.state.a_factor, damping, r.a); });
                                  }});
-            if (l.plan.computes_g)
+            if (l.role.computes_g)
                 tasks.push_back({n_g * n_g * n_g, [&l, &r, damping] {
-                                     in_layer(l, [&] { r.ok_g = method::compute_factor(l.g_factor, damping, r.g); });
+                                     in_layer(l, [&] { r.ok_g = method::compute_factor(l.state.g_factor, damping, r.g); });
                                  }});
         }
         agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
             auto& r = results[i];
-            const auto& p = l.plan;
+            const auto& p = l.role;
             if (p.computes_a || p.computes_g) {
                 if (r.ok_a && r.ok_g) {
-                    if (p.computes_a) l.second.a = std::move(r.a);
-                    if (p.computes_g) l.second.g = std::move(r.g);
-                    if (p.computes_a && p.computes_g) method::finalize_layer(l.second, damping, options_);
-                    l.has_second = true;
+                    if (p.computes_a) l.state.second.a = std::move(r.a);
+                    if (p.computes_g) l.state.second.g = std::move(r.g);
+                    if (p.computes_a && p.computes_g) method::finalize_layer(l.state.second, damping, options_);
+                    l.state.has_second = true;
                 } else {
                     outcome.add(l, non_finite_source::decomposition, plan.step, &health_counters::kept_decompositions);
-                    if (!l.has_second) {  // nothing to keep: precondition with the identity's data
-                        method::identity_data(l.second, l.description.a_dim(), l.description.g_dim(), damping, options_);
-                        l.has_second = true;
+                    if (!l.state.has_second) {  // nothing to keep: precondition with the identity's data
+                        method::identity_data(l.state.second, l.host.description.a_dim(), l.host.description.g_dim(), damping, options_);
+                        l.state.has_second = true;
                     }
                 }
             }
             if (p.share_second_order) {
-                method::for_each_payload(l.second, 'A', [&](scalar_type* d, std::size_t n) {
+                method::for_each_payload(l.state.second, 'A', [&](scalar_type* d, std::size_t n) {
                     comm_.broadcast(staging_.stage(d, n, p.computes_a, !p.computes_a), n, p.a_root, column_group_);
                 });
-                method::for_each_payload(l.second, 'G', [&](scalar_type* d, std::size_t n) {
+                method::for_each_payload(l.state.second, 'G', [&](scalar_type* d, std::size_t n) {
                     comm_.broadcast(staging_.stage(d, n, p.computes_g, !p.computes_g), n, p.g_root, column_group_);
                 });
-                l.has_second = true;
+                l.state.has_second = true;
             }
         }
         comm_.wait();
         staging_.complete();
     }
 
-    /// Pᵀ of every layer into l.preconditioned (shared from the gradient workers), then the
+    /// Pᵀ of every layer into l.scratch.preconditioned (shared from the gradient workers), then the
     /// verdict per layer: a layer whose Γ or P is not finite on any rank is zeroed on every
     /// rank, so ranks never drift apart (a host that forgot to average its gradients, say).
     void precondition_all(const detail::step_plan& plan, step_outcome& outcome) {
         const double damping = plan.damping;
         std::vector<detail::task> tasks;
         for (auto& l : layers_) {
-            const double n_a = static_cast<double>(l.description.a_dim()), n_g = static_cast<double>(l.description.g_dim());
+            const double n_a = static_cast<double>(l.host.description.a_dim()), n_g = static_cast<double>(l.host.description.g_dim());
             tasks.push_back({n_a * n_g * (n_a + n_g), [&l, damping, this] { in_layer(l, [&] {
-                                 Backend::load_gradient(l.gamma, as_const(l.weight_gradient(l.layer)),
-                                                        as_const(l.bias_gradient(l.layer)));
-                                 if (!l.plan.grad_worker)
-                                     l.preconditioned.resize(l.description.a_dim(), l.description.g_dim());
-                                 else if (!Backend::all_finite(l.gamma))
-                                     l.preconditioned = Backend::zeros(l.description.a_dim(), l.description.g_dim());
-                                 else if (l.has_second)
-                                     method::precondition(l.second, l.gamma, damping, options_, l.method_ws,
-                                                          l.preconditioned);
+                                 Backend::load_gradient(l.scratch.gamma, as_const(l.host.weight_gradient(l.host.layer)),
+                                                        as_const(l.host.bias_gradient(l.host.layer)));
+                                 if (!l.role.grad_worker)
+                                     l.scratch.preconditioned.resize(l.host.description.a_dim(), l.host.description.g_dim());
+                                 else if (!Backend::all_finite(l.scratch.gamma))
+                                     l.scratch.preconditioned = Backend::zeros(l.host.description.a_dim(), l.host.description.g_dim());
+                                 else if (l.state.has_second)
+                                     method::precondition(l.state.second, l.scratch.gamma, damping, options_, l.scratch.method_ws,
+                                                          l.scratch.preconditioned);
                                  else
-                                     l.preconditioned = l.gamma;  // no second-order data yet: plain SGD
+                                     l.scratch.preconditioned = l.scratch.gamma;  // no second-order data yet: plain SGD
                              }); }});
         }
         agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
         for (auto& l : layers_)
-            if (l.plan.share_gradient) {
-                const auto n = static_cast<std::size_t>(l.preconditioned.size());
-                comm_.broadcast(staging_.stage(l.preconditioned.data(), n, l.plan.grad_worker, !l.plan.grad_worker), n,
-                                l.plan.grad_root, gradient_group_);
+            if (l.role.share_gradient) {
+                const auto n = static_cast<std::size_t>(l.scratch.preconditioned.size());
+                comm_.broadcast(staging_.stage(l.scratch.preconditioned.data(), n, l.role.grad_worker, !l.role.grad_worker), n,
+                                l.role.grad_root, gradient_group_);
             }
         comm_.wait();
         staging_.complete();
         std::vector<std::int64_t> unusable(layers_.size());
         for (std::size_t i = 0; i < layers_.size(); ++i)
-            unusable[i] = !(Backend::all_finite(layers_[i].gamma) && Backend::all_finite(layers_[i].preconditioned));
+            unusable[i] = !(Backend::all_finite(layers_[i].scratch.gamma) && Backend::all_finite(layers_[i].scratch.preconditioned));
         comm_.allreduce_max(unusable);
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
-            l.usable = unusable[i] == 0;
-            if (l.usable) continue;
-            l.preconditioned = Backend::zeros(l.description.a_dim(), l.description.g_dim());
+            l.scratch.usable = unusable[i] == 0;
+            if (l.scratch.usable) continue;
+            l.scratch.preconditioned = Backend::zeros(l.host.description.a_dim(), l.host.description.g_dim());
             outcome.add(l, non_finite_source::gradient, plan.step, &health_counters::zeroed_gradients);
         }
     }
@@ -674,7 +741,7 @@ private:
         if (!plan.kl_clip) return 1.0;
         double vg_sum = 0.0;
         for (const auto& l : layers_)
-            if (l.usable) vg_sum += Backend::frobenius_dot(l.preconditioned, l.gamma);
+            if (l.scratch.usable) vg_sum += Backend::frobenius_dot(l.scratch.preconditioned, l.scratch.gamma);
         vg_sum *= plan.lr * plan.lr;
         return vg_sum == 0.0 ? 1.0 : std::min(1.0, std::sqrt(*plan.kl_clip / std::abs(vg_sum)));
     }
@@ -682,8 +749,8 @@ private:
     void write_back(double scale) {
         for (auto& l : layers_)
             in_layer(l, [&] {
-                Backend::store_gradient(l.preconditioned, static_cast<scalar_type>(scale), l.weight_gradient(l.layer),
-                                        l.bias_gradient(l.layer));
+                Backend::store_gradient(l.scratch.preconditioned, static_cast<scalar_type>(scale), l.host.weight_gradient(l.host.layer),
+                                        l.host.bias_gradient(l.host.layer));
             });
     }
 
@@ -717,9 +784,11 @@ private:
     std::int64_t passes_ = 0;  // forward/backward passes folded into the current statistics
     bool started_ = false;
     double last_kl_scale_ = 1.0;
+    double second_order_damping_ = 0.0;  // of the last inverse update (checkpoints record it)
     health_counters health_{};
     std::function<void(const non_finite_event&)> on_non_finite_;
     detail::host_staging<Backend> staging_{};  // device data through host memory for comm
+    assignment::distribution_plan plan_{};  // where each layer's work runs (from setup())
     group column_group_{};
     group gradient_group_{};
     int threads_ = 1;

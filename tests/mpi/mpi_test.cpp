@@ -367,3 +367,54 @@ int main(int argc, char** argv) {
     MPI_Finalize();
     return any;
 }
+
+TEST_CASE("checkpoints: one file from every strategy, and failures raised on every rank", "[mpi][checkpoint]") {
+    const int world = world_size();
+    // Save under each distribution valid at this world size; a single-process preconditioner
+    // loads each file and must hold the saving run's factors (rank 0's, which under KAISA
+    // every rank holds, and under DP-KFAC each owner sent).
+    struct config {
+        kfac::distribution strategy;
+        double fraction;
+    };
+    std::vector<config> configs = {{kfac::distribution::kaisa, kfac::comm_opt}, {kfac::distribution::kaisa, kfac::mem_opt}};
+    if (world > 1) configs.push_back({kfac::distribution::dp_kfac, kfac::comm_opt});
+    for (const auto& c : configs) {
+        model m;
+        kfac::options o;
+        o.strategy = c.strategy;
+        o.grad_worker_fraction = c.fraction;
+        mpi_kfac<> p(o, kfac::comm::mpi());
+        m.register_all(p);
+        for (int k = 0; k < 3; ++k) {
+            m.reset_gradients();
+            p.step();
+        }
+        const std::string bytes = p.save_bytes();
+        CHECK((world_rank() == 0) == !bytes.empty());
+        // Every rank's own factors for the layers it holds, sent to rank 0 for comparison.
+        const auto layers = p.layers();
+        for (std::size_t i = 0; i < layers.size(); ++i) {
+            const int holder = layers[i].factor_holders.front();
+            Eigen::MatrixXd a = p.a_factor(layer_name(i));
+            MPI_Bcast(a.data(), static_cast<int>(a.size()), MPI_DOUBLE, holder, MPI_COMM_WORLD);
+            if (world_rank() != 0) continue;
+            kfac::KFAC<kfac::backend::cpu_eigen<double>> single(o);
+            model m2;
+            m2.register_all(single);
+            single.load_bytes(bytes, {.allow_changed_options = true});
+            CHECK(single.steps() == 3);
+            CHECK(single.a_factor(layer_name(i)) == a);
+        }
+    }
+    // A file only rank 0 cannot read: every rank raises rank 0's error, none hangs.
+    model m;
+    mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+    m.register_all(p);
+    const std::string who = world > 1 ? "rank 0: " : "";
+    CHECK_THROWS_WITH(p.load("no/such/folder/kfac.safetensors"), Contains(who + "checkpoint") && Contains("cannot open"));
+    CHECK_THROWS_WITH(p.save("no/such/folder/kfac.safetensors"), Contains(who + "checkpoint") && Contains("cannot create"));
+    m.reset_gradients();
+    p.step();  // still usable on every rank
+    CHECK(p.steps() == 1);
+}

@@ -48,6 +48,7 @@ struct replay_report {
     double rtol = 0.0;
     std::string precision;  ///< "float32" or "float64": what the replay computed in
     std::string strategy;   ///< the preconditioner's strategy_name()
+    std::int64_t first_step = 0, end_step = 0;  ///< the steps replayed: [first_step, end_step)
     [[nodiscard]] bool passed() const { return problems.empty() && worst <= rtol; }
 };
 
@@ -199,6 +200,11 @@ struct distributed_setup {
     double grad_worker_fraction = kfac::comm_opt;
     bool colocate = true;
     std::string assignment = "compute";  ///< compute | memory | round_robin
+    /// Checkpoints: replay steps 0..save_after-1, then save to save_file and stop; or load
+    /// resume_from into a fresh preconditioner and replay from its step to the end.
+    std::optional<std::int64_t> save_after;
+    fs::path save_file;
+    std::optional<fs::path> resume_from;
 };
 
 /// Rank r's contiguous block of n rows: the first n % W ranks get one row more.
@@ -286,7 +292,26 @@ replay_report replay_with(const golden_case& c, double rtol, const distributed_s
     }
 
     const std::int64_t steps = meta.at("steps").get<std::int64_t>();
-    for (std::int64_t t = 0; t < steps; ++t) {
+    std::int64_t first = 0, last = steps;
+    if (setup.resume_from) {
+        // Every shard reference starts from the file too: the owners' factors in it are what
+        // the resumed owners continue from.
+        precond.load(*setup.resume_from);
+        for (auto& shard : shards) shard->load(*setup.resume_from, {.allow_changed_options = true});
+        first = precond.steps();
+        if (first > steps)
+            throw kfac::error(setup.resume_from->string() + " was saved after step " + std::to_string(first) +
+                              " but the case has only " + std::to_string(steps) + " steps");
+    }
+    if (setup.save_after) {
+        if (*setup.save_after < 0 || *setup.save_after > steps)
+            throw kfac::error("--save-after " + std::to_string(*setup.save_after) + ": the case has " +
+                              std::to_string(steps) + " steps");
+        last = *setup.save_after;
+    }
+    report.first_step = first;
+    report.end_step = last;
+    for (std::int64_t t = first; t < last; ++t) {
         const bool factor_update = t % hp.at("factor_update_steps").get<std::int64_t>() == 0;
         const bool inv_update = t % hp.at("inv_update_steps").get<std::int64_t>() == 0;
         if (meta.contains("schedule") && static_cast<std::size_t>(t) < meta["schedule"].size()) {
@@ -399,6 +424,7 @@ replay_report replay_with(const golden_case& c, double rtol, const distributed_s
             }
         }
     }
+    if (setup.save_after) precond.save(setup.save_file);
     return report;
 }
 

@@ -5,7 +5,12 @@
 //   kfac_replay [CASE_DIR] [--float | --double] [--rtol R]
 //               [--strategy kaisa|dp-kfac] [--grad-worker-fraction comm_opt|hybrid_opt|mem_opt|F]
 //               [--assignment compute|memory|round_robin] [--colocate on|off]
-//               [--backend cpu|cuda|staged]
+//               [--backend cpu|cuda|staged] [--save-after K FILE | --resume FILE]
+//
+// --save-after K FILE replays and verifies steps 0..K-1, saves the preconditioner (a
+// checkpoint, kfac/checkpoint/format.hpp) and stops; --resume FILE loads one into a fresh
+// preconditioner and replays and verifies from its step to the end of the case. Under mpiexec
+// the two may run at different world sizes and strategies.
 //
 // CASE_DIR is one case folder or a folder of case folders; without it, every case discovered
 // in the repository's tests/data/golden and in ../shared/golden (when present) is replayed.
@@ -50,7 +55,9 @@ const char* usage =
     "usage: kfac_replay [CASE_DIR | FOLDER_OF_CASES] [--float | --double] [--rtol R]\n"
     "         [--strategy kaisa|dp-kfac] [--grad-worker-fraction comm_opt|hybrid_opt|mem_opt|F]\n"
     "         [--assignment compute|memory|round_robin] [--colocate on|off]\n"
-    "         [--backend cpu|cuda|staged]\n";
+    "         [--backend cpu|cuda|staged] [--save-after K FILE | --resume FILE]\n"
+    "  --save-after K FILE  replay and verify steps 0..K-1, save the preconditioner to FILE, stop\n"
+    "  --resume FILE        load FILE into a fresh preconditioner, replay and verify from its step\n";
 
 double parse_fraction(const std::string& s) {
     if (s == "comm_opt") return kfac::comm_opt;
@@ -94,6 +101,18 @@ int run(int argc, char** argv, run_context& ctx) {
             const std::string v = value();
             if (v != "on" && v != "off") throw kfac::error("--colocate must be on or off");
             setup.colocate = v == "on";
+        } else if (arg == "--save-after") {
+            const std::string k = value();
+            std::size_t used = 0;
+            try {
+                setup.save_after = std::stoll(k, &used);
+            } catch (const std::exception&) {
+                used = 0;
+            }
+            if (used != k.size() || k.empty()) throw kfac::error("--save-after needs a step count, not '" + k + "'");
+            setup.save_file = value();
+        } else if (arg == "--resume") {
+            setup.resume_from = kfac_replay::fs::path(value());
         } else if (arg == "-h" || arg == "--help") {
             if (ctx.rank == 0) std::cout << usage;
             return 0;
@@ -106,6 +125,9 @@ int run(int argc, char** argv, run_context& ctx) {
         throw kfac::error((folder.empty() ? std::string("no golden case found in the default folders")
                                           : "no case.json in '" + folder + "' or its sub-folders") +
                           "\n" + usage);
+    if ((setup.save_after || setup.resume_from) && cases.size() != 1)
+        throw kfac::error("--save-after and --resume take one case folder; '" + folder + "' holds " +
+                          std::to_string(cases.size()) + " cases");
     int failed = 0;
     for (const auto& case_folder : cases) {
         const int status = replay_case(case_folder, p, rtol, setup, backend, ctx);
@@ -168,6 +190,8 @@ int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, s
     for (const auto& [what, e] : r.max_error) std::printf("  %-9s max_rel_err=%.3e\n", what.c_str(), e);
     for (const auto& problem : r.problems) std::cout << "  problem: " << problem << "\n";
     if (backend == "staged") std::cout << "staged_bytes=" << kfac_replay::staged_bytes().load() << "\n";
+    if (setup.resume_from) std::cout << "resumed from " << setup.resume_from->string() << " at step " << r.first_step << "\n";
+    if (setup.save_after) std::cout << "saved " << setup.save_file.string() << " after step " << r.end_step << "\n";
     std::printf("max_rel_err=%.3e rtol=%.1e world=%d strategy=%s %s\n", r.worst, r.rtol, ctx.world,
                 r.strategy.c_str(), r.passed() ? "PASS" : "FAIL");
     std::fflush(stdout);

@@ -57,3 +57,51 @@ TEST_CASE("invalid worker groups are errors", "[assignment][errors]") {
     CHECK_THROWS_AS(greedy_assignment({{1, 1}}, {}, 2, true), kfac::error);
     CHECK_THROWS_WITH(greedy_assignment({{1, 1}}, {{0, 5}}, 2, true), Catch::Contains("rank 5"));
 }
+
+TEST_CASE("the distribution plan places every layer's work", "[assignment][plan]") {
+    using kfac::assignment::plan_distribution;
+    const std::vector<std::pair<std::int64_t, std::int64_t>> dims = {{577, 64}, {65, 10}, {129, 128}};
+    SECTION("KAISA HYBRID_OPT at W = 4: columns {0, 2} and {1, 3}") {
+        const auto plan = plan_distribution<kfac::assignment::compute_balanced>(dims, 4, kfac::distribution::kaisa, 0.5, true);
+        CHECK(plan.name == "hybrid_opt");
+        CHECK(plan.columns == 2);
+        CHECK(plan.broadcast_second_order());
+        CHECK(plan.broadcast_gradients());
+        for (std::size_t i = 0; i < dims.size(); ++i) {
+            const auto& l = plan.layers[i];
+            CHECK(l.factor_holders == std::vector<int>{0, 1, 2, 3});
+            CHECK(l.a_worker == l.g_worker);  // colocated
+            const int column = l.g_worker % 2;
+            CHECK(l.grad_workers == std::vector<int>{column, column + 2});
+            for (int r = 0; r < 4; ++r) {
+                const auto role = plan.role(i, r);
+                CHECK(role.grad_worker == (r % 2 == column));
+                CHECK(role.share_second_order == role.grad_worker);
+                CHECK(role.computes_a == (r == l.a_worker));
+                CHECK(role.g_root == l.g_worker / 2);
+                CHECK(role.grad_root == column);
+            }
+        }
+    }
+    SECTION("DP-KFAC at W = 3: one owner holds, computes and preconditions") {
+        const auto plan = plan_distribution<kfac::assignment::compute_balanced>(dims, 3, kfac::distribution::dp_kfac, 1.0, true);
+        CHECK(plan.name == "dp_kfac");
+        CHECK_FALSE(plan.broadcast_second_order());
+        for (std::size_t i = 0; i < dims.size(); ++i) {
+            const auto& l = plan.layers[i];
+            CHECK(l.factor_holders == std::vector<int>{l.a_worker});
+            CHECK(l.grad_workers == std::vector<int>{l.a_worker});
+            const auto owner = plan.role(i, l.a_worker);
+            CHECK((owner.holds_factors && owner.computes_a && owner.computes_g && owner.share_gradient));
+            CHECK(owner.grad_root == l.a_worker);
+            const auto other = plan.role(i, (l.a_worker + 1) % 3);
+            CHECK_FALSE((other.holds_factors || other.grad_worker || other.computes_a));
+        }
+    }
+    SECTION("a fraction that does not fit, and MEM_OPT without colocation, are errors") {
+        CHECK_THROWS_WITH((plan_distribution<kfac::assignment::compute_balanced>(dims, 3, kfac::distribution::kaisa, 0.5, true)),
+                          Catch::Contains("does not divide the world size 3"));
+        CHECK_THROWS_WITH((plan_distribution<kfac::assignment::compute_balanced>(dims, 4, kfac::distribution::kaisa, 0.0, false)),
+                          Catch::Contains("colocate_factors = false with MEM_OPT"));
+    }
+}

@@ -49,7 +49,9 @@
 ///   // pinned_buffer, download() and upload() for staging collectives through host memory
 ///   // (kfac/detail/host_staging.hpp).
 ///   static constexpr bool device_memory;
+///   using host_matrix;                           // column-major Eigen matrix on the host
 ///   static host_matrix to_host(const matrix&);   // column-major host copy (or the matrix)
+///   static matrix from_host(const host_matrix&); // checkpoints: data back into storage
 /// ```
 /// Returning false from symmetric_eigen / damped_inverse means "no usable result"; the
 /// preconditioner then keeps the previous second-order data.
@@ -126,7 +128,9 @@ struct cpu_eigen {
         return m;
     }
     /// The matrix itself: it is already in host memory.
+    using host_matrix = matrix;
     static const matrix& to_host(const matrix& m) { return m; }
+    static matrix from_host(host_matrix h) { return h; }
 
     static void clamp_nonnegative(vector& v) { v = v.cwiseMax(Scalar(0)); }
     static void inverse_eigen_product(const vector& a, const vector& g, Scalar damping, matrix& d) {

@@ -166,6 +166,17 @@ struct cuda {
         return v;
     }
 
+    /// Whether the device can copy from `p`: device, managed or pinned host memory, not
+    /// ordinary host memory (which the driver would read as a device address).
+    static bool points_to_device_memory(const void* p) {
+        cudaPointerAttributes attributes{};
+        if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+            (void)cudaGetLastError();  // clear the sticky-free error the query left
+            return false;
+        }
+        return attributes.type != cudaMemoryTypeUnregistered;
+    }
+
     /// Column-major host copy (synchronises).
     static host_matrix to_host(const matrix& m) {
         host_matrix h(m.rows(), m.cols());
@@ -210,7 +221,7 @@ struct cuda {
                 launch("fill_row", [&] { kernels::fill_row(policy(), ws.input.data(), n_a, cols, rows, Scalar(1)); });
                 x = ws.input.data();
             }
-            cuda_detail::syrk<Scalar>(CUBLAS_OP_N, narrow(n_a), narrow(rows), alpha, x, narrow(n_a), beta, sum.data(),
+            cuda_detail::gram<Scalar>(CUBLAS_OP_N, narrow(n_a), narrow(rows), alpha, x, narrow(n_a), beta, sum.data(),
                                       narrow(sum.rows()));
             return;
         }
@@ -230,7 +241,7 @@ struct cuda {
                 kernels::extract_patches(policy(), input, channels, height, width, d.conv, grid, first, count, d.bias,
                                          ws.patches.data(), ld);
             });
-            cuda_detail::syrk<Scalar>(CUBLAS_OP_T, narrow(n_a), narrow(count * grid.cols), alpha, ws.patches.data(),
+            cuda_detail::gram<Scalar>(CUBLAS_OP_T, narrow(n_a), narrow(count * grid.cols), alpha, ws.patches.data(),
                                       narrow(ld), first == 0 ? beta : Scalar(1), sum.data(), narrow(sum.rows()));
         }
     }
@@ -241,7 +252,7 @@ struct cuda {
         const index out = d.out;
         if (d.kind == layer_kind::linear) {
             const index rows = g.size() / out;
-            cuda_detail::syrk<Scalar>(CUBLAS_OP_N, narrow(out), narrow(rows), Scalar(1) / static_cast<Scalar>(rows),
+            cuda_detail::gram<Scalar>(CUBLAS_OP_N, narrow(out), narrow(rows), Scalar(1) / static_cast<Scalar>(rows),
                                       on_device(g, ws.input), narrow(out), beta, sum.data(), narrow(sum.rows()));
             return;
         }
@@ -251,7 +262,7 @@ struct cuda {
         const Scalar* y = on_device(g, ws.input);
         ws.patches.reserve(static_cast<std::size_t>(n * spatial * out));
         launch("channels_last", [&] { kernels::channels_last(policy(), y, n, out, spatial, ws.patches.data()); });
-        cuda_detail::syrk<Scalar>(CUBLAS_OP_T, narrow(out), narrow(n * spatial), alpha, ws.patches.data(),
+        cuda_detail::gram<Scalar>(CUBLAS_OP_T, narrow(out), narrow(n * spatial), alpha, ws.patches.data(),
                                   narrow(n * spatial), beta, sum.data(), narrow(sum.rows()));
     }
 

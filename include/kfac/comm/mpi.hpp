@@ -210,14 +210,21 @@ public:
         return out;
     }
 
+    /// Any length: the size travels as 64 bits and the bytes in pieces of at most 1 GiB
+    /// (MPI counts are int), so a checkpoint of several GiB crosses whole.
     std::string broadcast_text(const std::string& text, int root) {
         std::string out = state_->rank == root ? text : std::string();
         if (state_->size == 1) return out;
-        int length = static_cast<int>(std::min<std::size_t>(out.size(), INT32_MAX));
-        detail::check_mpi(MPI_Bcast(&length, 1, MPI_INT, root, state_->world.comm), "MPI_Bcast");
+        std::uint64_t length = out.size();
+        detail::check_mpi(MPI_Bcast(&length, 1, MPI_UINT64_T, root, state_->world.comm), "MPI_Bcast");
         out.resize(static_cast<std::size_t>(length));
-        detail::check_mpi(MPI_Bcast(out.data(), length, MPI_CHAR, root, state_->world.comm), "MPI_Bcast");
-        state_->counters.control_calls += 2;
+        constexpr std::size_t piece = std::size_t(1) << 30;
+        for (std::size_t at = 0; at < out.size(); at += piece) {
+            const auto n = static_cast<int>(std::min(piece, out.size() - at));
+            detail::check_mpi(MPI_Bcast(out.data() + at, n, MPI_CHAR, root, state_->world.comm), "MPI_Bcast");
+            ++state_->counters.control_calls;
+        }
+        ++state_->counters.control_calls;
         return out;
     }
 

@@ -22,6 +22,11 @@
 ///   template <class F> static void for_each_payload(layer_data&, char side, F&& f);
 ///   // Sizes a receiver's layer_data so the payload buffers can be received in place.
 ///   static void prepare_receive(layer_data&, index a_dim, index g_dim, const options&);
+///   // Checkpoints: every tensor of a layer's data, f(const char* name, matrix-or-vector&,
+///   // int tensor_rank), in a fixed order (empty ones included), and the sizes of a layer's
+///   // full data as the rank that computed it holds it, ready to be read into.
+///   template <class LayerData, class F> static void for_each_tensor(LayerData&, F&& f);
+///   static void prepare_full(layer_data&, index a_dim, index g_dim, const options&);
 ///   // Data of the identity factor, for a rank whose first decomposition failed.
 ///   static void identity_data(layer_data&, index a_dim, index g_dim, double damping, const options&);
 /// ```
@@ -38,7 +43,9 @@ namespace compute {
 
 /// Eigendecomposition method: F = Q diag(λ) Qᵀ with λ clamped at 0; damping is added to the
 /// product λ_G λ_A (not to each factor).
-struct eigendecomposition {};
+struct eigendecomposition {
+    static constexpr const char* name = "eigendecomposition";
+};
 
 }  // namespace compute
 
@@ -101,6 +108,22 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         l.a.lambda.resize(l.has_product ? 0 : a_dim);
         l.g.lambda.resize(l.has_product ? 0 : g_dim);
         l.inverse_eigen_product.resize(l.has_product ? a_dim : 0, l.has_product ? g_dim : 0);
+    }
+
+    template <class LayerData, class F>
+    static void for_each_tensor(LayerData& l, F&& f) {
+        f("A.eigenvectors", l.a.q, 2);
+        f("A.eigenvalues", l.a.lambda, 1);
+        f("G.eigenvectors", l.g.q, 2);
+        f("G.eigenvalues", l.g.lambda, 1);
+        f("eigenvalue_product_inverse", l.inverse_eigen_product, 2);
+    }
+
+    /// The rank that computes both factors holds the eigenvalues too, with or without D.
+    static void prepare_full(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, const options& o) {
+        prepare_receive(l, a_dim, g_dim, o);
+        l.a.lambda.resize(a_dim);
+        l.g.lambda.resize(g_dim);
     }
 
     static void identity_data(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, double damping, const options& o) {

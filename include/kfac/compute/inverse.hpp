@@ -15,7 +15,9 @@ namespace kfac {
 namespace compute {
 
 /// Inverse method: P = (G + γI)⁻¹ Γ (A + γI)⁻¹, the full γ added to each factor.
-struct inverse {};
+struct inverse {
+    static constexpr const char* name = "inverse";
+};
 
 }  // namespace compute
 
@@ -54,6 +56,16 @@ struct compute_impl<compute::inverse, Backend> {
     static void prepare_receive(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, const options&) {
         l.a.inverse.resize(a_dim, a_dim);
         l.g.inverse.resize(g_dim, g_dim);
+    }
+
+    template <class LayerData, class F>
+    static void for_each_tensor(LayerData& l, F&& f) {
+        f("A.inverse", l.a.inverse, 2);
+        f("G.inverse", l.g.inverse, 2);
+    }
+
+    static void prepare_full(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, const options& o) {
+        prepare_receive(l, a_dim, g_dim, o);
     }
 
     static void identity_data(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, double damping, const options&) {

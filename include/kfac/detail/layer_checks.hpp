@@ -81,9 +81,23 @@ inline std::string shape_text(std::initializer_list<std::int64_t> extents) {
 }
 
 /// A device view handed to a host backend cannot be read: say which view and what to do.
+/// Tells whether a pointer is memory the device backend can copy from (device, managed or
+/// pinned host memory); nullptr where the backend cannot tell.
+using device_memory_probe = bool (*)(const void*);
+
 template <class T>
-void check_memory_space(const std::string& who, const char* what, const tensor_view<T>& v, bool device_backend) {
-    if (v.empty() || device_backend || v.space == memory_space::host) return;
+void check_memory_space(const std::string& who, const char* what, const tensor_view<T>& v, bool device_backend,
+                        device_memory_probe probe = nullptr) {
+    if (v.empty() || v.space == memory_space::host) return;
+    if (device_backend) {
+        // A host address labelled device memory is not an error the driver reports: the copy
+        // reads it as a device address and crashes inside the driver (seen on an H100).
+        if (probe && !probe(static_cast<const void*>(v.data)))
+            throw error(who + ": the " + what + " view " + v.shape_string() + " is marked memory_space::device, but " +
+                        "its pointer is not device memory (nor pinned host memory); mark host buffers "
+                        "memory_space::host, or pass the device allocation");
+        return;
+    }
     throw error(who + ": the " + what + " view " + v.shape_string() + " points to device memory, but the "
                 "backend works in host memory; use kfac::backend::cuda (kfac/backend/cuda.cuh) or copy the "
                 "buffer to the host");
@@ -126,12 +140,12 @@ std::int64_t leading_rows(const tensor_view<T>& v) {
 template <class T>
 void check_statistics_views(const std::string& name, const layer_description& d,
                             const tensor_view<const T>& a, const tensor_view<const T>& g,
-                            std::int64_t step, bool device_backend = false) {
+                            std::int64_t step, bool device_backend = false, device_memory_probe probe = nullptr) {
     const std::string who = describe_layer(name, d);
     check_extents(who, "activations", a);
     check_extents(who, "output gradients", g);
-    check_memory_space(who, "activations", a, device_backend);
-    check_memory_space(who, "output gradients", g, device_backend);
+    check_memory_space(who, "activations", a, device_backend, probe);
+    check_memory_space(who, "output gradients", g, device_backend, probe);
     if (a.empty())
         throw error(who + ": no activations captured for factor-update step " +
                     std::to_string(step) + "; the adapter's activations() returned an empty "
@@ -178,12 +192,13 @@ void check_statistics_views(const std::string& name, const layer_description& d,
 /// Views of the gradients that step() reads and overwrites.
 template <class T>
 void check_gradient_views(const std::string& name, const layer_description& d,
-                          const tensor_view<T>& w, const tensor_view<T>& b, bool device_backend = false) {
+                          const tensor_view<T>& w, const tensor_view<T>& b, bool device_backend = false,
+                          device_memory_probe probe = nullptr) {
     const std::string who = describe_layer(name, d);
     check_extents(who, "weight gradient", w);
     check_extents(who, "bias gradient", b);
-    check_memory_space(who, "weight gradient", w, device_backend);
-    check_memory_space(who, "bias gradient", b, device_backend);
+    check_memory_space(who, "weight gradient", w, device_backend, probe);
+    check_memory_space(who, "bias gradient", b, device_backend, probe);
     const bool linear = d.kind == layer_kind::linear;
     const std::string expected = linear ? shape_text({d.out, d.in})
                                         : shape_text({d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});

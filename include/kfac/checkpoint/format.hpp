@@ -1,0 +1,181 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file format.hpp
+/// What a checkpoint of the preconditioner holds, in a safetensors container
+/// (kfac/checkpoint/safetensors.hpp), and the checks a file passes before anything is loaded
+/// from it. The preconditioner's save() and load() move the data; this header names it.
+///
+/// Tensors (C order, the scalar type of the preconditioner that wrote them, F32 or F64):
+///   `<layer>.A`, `<layer>.G`            running factors (symmetric)
+///   `<layer>.<method tensor>`           second-order data in force, unless saved without it:
+///        eigendecomposition: A.eigenvectors, A.eigenvalues, G.eigenvectors, G.eigenvalues and,
+///        with compute_eigenvalue_outer_product, eigenvalue_product_inverse (A_dim × G_dim);
+///        inverse: A.inverse, G.inverse (damped inverses)
+/// Metadata (strings): see the key names below; `option.<name>` holds an option's value in
+/// exact decimal, or `schedule` for a scheduled one (schedules are code: the host supplies
+/// them again), `layer.<name>` the layer's signature and `damping.<name>` the damping its
+/// second-order data was computed with.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kfac/checkpoint/safetensors.hpp"
+#include "kfac/config.hpp"
+
+namespace kfac::checkpoint {
+
+/// Name in the `format` metadata entry, and the version this library writes and reads. A file
+/// of a newer version is refused; older versions stay readable.
+inline constexpr const char* format_name = "kfac.preconditioner";
+inline constexpr int format_version = 1;
+
+/// What save() writes.
+struct save_options {
+    /// Second-order data in force (eigendecompositions or inverses). Without it the file holds
+    /// only the factors (about half the size for the inverse method, a third for the
+    /// eigendecomposition) and load() recomputes the data from the saved factors with the
+    /// recorded damping; the steps until the next inverse update then differ from the
+    /// uninterrupted run (the factors moved since the data was computed), by as much as
+    /// kfac-pytorch's resume does.
+    bool second_order = true;
+};
+
+/// What load() accepts.
+struct load_options {
+    /// By default the options that shape the numbers (damping, factor_decay, lr, kl_clip, the
+    /// intervals, accumulation_steps, conv_patches, compute_eigenvalue_outer_product) must be
+    /// the file's; true resumes with changed ones. Distribution options (strategy,
+    /// grad_worker_fraction, colocate_factors, world size) may always differ.
+    bool allow_changed_options = false;
+    /// Ignore the file's second-order data and recompute it from the factors (as a file saved
+    /// without it does); also the way to load a file of the other compute method.
+    bool recompute_second_order = false;
+};
+
+/// Metadata keys.
+namespace key {
+inline constexpr const char* format = "format";
+inline constexpr const char* version = "format_version";
+inline constexpr const char* library = "library_version";
+inline constexpr const char* step = "step";
+inline constexpr const char* checksum = "checksum";
+inline constexpr const char* scalar = "scalar";
+inline constexpr const char* method = "compute_method";
+inline constexpr const char* second_order = "second_order";  ///< "included", "omitted" or "none yet"
+inline constexpr const char* layers = "layers";              ///< how many
+inline constexpr const char* world_size = "saved_world_size";
+inline constexpr const char* strategy = "saved_strategy";
+inline const std::string layer_prefix = "layer.";
+inline const std::string damping_prefix = "damping.";
+inline const std::string option_prefix = "option.";
+inline const std::string health_prefix = "health.";
+}  // namespace key
+
+[[nodiscard]] inline std::string library_version() {
+    return std::to_string(KFAC_VERSION_MAJOR) + "." + std::to_string(KFAC_VERSION_MINOR) + "." +
+           std::to_string(KFAC_VERSION_PATCH);
+}
+
+/// Options whose change makes a resumed run differ from the uninterrupted one.
+[[nodiscard]] inline bool shapes_the_numbers(const std::string& option) {
+    static const char* const names[] = {"damping", "factor_decay", "lr", "kl_clip", "factor_update_steps",
+                                        "inv_update_steps", "accumulation_steps", "conv_patches",
+                                        "compute_eigenvalue_outer_product"};
+    for (const char* n : names)
+        if (option == n) return true;
+    return false;
+}
+
+/// The container-level facts of a checkpoint, checked: ours, not newer than this library,
+/// intact (checksum), with a readable step count.
+struct header {
+    int version = 0;
+    std::int64_t step = 0;
+    std::string scalar, method, second_order, library;
+};
+
+/// @throws kfac::error naming `source`, what was expected and found, and the fix.
+[[nodiscard]] inline header check_header(const archive& a, const std::string& source) {
+    auto meta = [&](const char* k) -> const std::string& {
+        const auto it = a.metadata.find(k);
+        if (it == a.metadata.end())
+            throw error("checkpoint " + source + ": the metadata entry '" + k + "' is missing; it is not a " +
+                        format_name + " checkpoint (was it written by kfac's save()?)");
+        return it->second;
+    };
+    if (meta(key::format) != format_name)
+        throw error("checkpoint " + source + ": its format is '" + meta(key::format) + "', not " + format_name);
+    auto integer = [&](const char* k) {
+        const std::string& text = meta(k);
+        std::size_t used = 0;
+        long long v = 0;
+        try {
+            v = std::stoll(text, &used);
+        } catch (const std::exception&) {
+            used = 0;
+        }
+        if (used != text.size() || text.empty() || v < 0)
+            throw error("checkpoint " + source + ": metadata '" + k + "' = '" + text +
+                        "' is not a non-negative integer (the file is corrupt)");
+        return static_cast<std::int64_t>(v);
+    };
+    header h;
+    h.library = meta(key::library);
+    const auto version = integer(key::version);
+    if (version > format_version)
+        throw error("checkpoint " + source + ": format version " + std::to_string(version) + " (written by kfac " +
+                    h.library + ") is newer than the version " + std::to_string(format_version) + " this kfac (" +
+                    library_version() + ") reads; load it with kfac " + h.library + " or later");
+    h.version = static_cast<int>(version);
+    const std::string recorded = meta(key::checksum);
+    const std::string actual = hex64(data_checksum(a.tensors));
+    if (recorded != actual)
+        throw error("checkpoint " + source + ": the data's checksum is " + actual + ", the file records " + recorded +
+                    "; the file was corrupted after it was written (copy it again, or use an earlier checkpoint)");
+    h.step = integer(key::step);
+    h.scalar = meta(key::scalar);
+    h.method = meta(key::method);
+    h.second_order = meta(key::second_order);
+    if (h.second_order != "included" && h.second_order != "omitted" && h.second_order != "none yet")
+        throw error("checkpoint " + source + ": metadata '" + key::second_order + "' = '" + h.second_order +
+                    "' is none of included, omitted, none yet (the file is corrupt)");
+    return h;
+}
+
+/// A host matrix (column-major, Eigen-like: rows(), cols(), operator()(i, j)) as a C-order
+/// tensor of shape {rows, cols}, or {rows} for a vector (tensor_rank 1).
+template <class Scalar, class HostMatrix>
+[[nodiscard]] tensor to_tensor(std::string name, const HostMatrix& m, int tensor_rank) {
+    const auto rows = static_cast<std::int64_t>(m.rows()), cols = static_cast<std::int64_t>(m.cols());
+    std::vector<Scalar> values(static_cast<std::size_t>(rows * cols));
+    for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < cols; ++j) values[static_cast<std::size_t>(i * cols + j)] = m(i, j);
+    std::vector<std::int64_t> shape = tensor_rank == 1 ? std::vector<std::int64_t>{rows * cols}
+                                                       : std::vector<std::int64_t>{rows, cols};
+    return tensor::from(std::move(name), values.data(), std::move(shape));
+}
+
+/// The shape a tensor of `rows` × `cols` has in a checkpoint.
+[[nodiscard]] inline std::vector<std::int64_t> stored_shape(std::int64_t rows, std::int64_t cols, int tensor_rank) {
+    return tensor_rank == 1 ? std::vector<std::int64_t>{rows * cols} : std::vector<std::int64_t>{rows, cols};
+}
+
+[[nodiscard]] inline std::string shape_text(const std::vector<std::int64_t>& shape) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    return s + "]";
+}
+
+/// A C-order tensor into a column-major host matrix of `rows` × `cols` (float ↔ double
+/// converts: widening is exact, narrowing rounds to nearest).
+template <class Scalar, class HostMatrix>
+void from_tensor(const tensor& t, HostMatrix& m) {
+    const auto values = t.values<Scalar>();
+    const auto rows = static_cast<std::int64_t>(m.rows()), cols = static_cast<std::int64_t>(m.cols());
+    for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < cols; ++j) m(i, j) = values[static_cast<std::size_t>(i * cols + j)];
+}
+
+}  // namespace kfac::checkpoint

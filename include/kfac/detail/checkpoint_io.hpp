@@ -1,0 +1,333 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file checkpoint_io.hpp
+/// save() and load() of the preconditioner: which rank holds what (the distribution plan),
+/// gathering it onto rank 0, and setting it back on every rank that needs it, at any world
+/// size. The format is kfac/checkpoint/format.hpp. A friend of kfac::preconditioner.
+///
+/// Save: rank 0 already holds every running factor under KAISA; under DP-KFAC each layer's
+/// owner broadcasts them. Second-order data comes from the rank that computed a layer's G
+/// data, which holds the whole layer's data (KAISA shares A's within the column; MEM_OPT and
+/// DP-KFAC compute both on one rank). One layer travels at a time.
+/// Load: rank 0 reads the bytes and broadcasts them; every rank checks the whole file and
+/// builds its new state aside; only when every rank succeeded does any state change.
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kfac/checkpoint/format.hpp"
+#include "kfac/checkpoint/safetensors.hpp"
+#include "kfac/detail/configuration_check.hpp"
+#include "kfac/detail/layer_checks.hpp"
+#include "kfac/health.hpp"
+
+namespace kfac::detail {
+
+template <class Method>
+constexpr const char* compute_method_name() {
+    if constexpr (requires { Method::name; }) return Method::name;
+    else return "custom";
+}
+
+template <class Preconditioner>
+struct checkpoint_io {
+    using P = Preconditioner;
+    using backend = typename P::backend_type;
+    using scalar = typename P::scalar_type;
+    using method = typename P::method;
+    using host_matrix = typename backend::host_matrix;
+
+    /// The archive on rank 0 (std::nullopt on other ranks). Collective.
+    static std::optional<checkpoint::archive> collect(P& p, const checkpoint::save_options& o) {
+        p.setup();
+        p.agree_on([&] {
+            if (p.passes_ != 0)
+                throw error("save() after " + std::to_string(p.passes_) + " accumulate() call(s) of a step that has "
+                            "not finished; save after step(), when the step's statistics are folded in");
+        });
+        const bool writer = p.comm_.rank() == 0;
+        const bool second = o.second_order && p.steps_ > 0;
+        checkpoint::archive a;
+        for (std::size_t i = 0; i < p.layers_.size(); ++i) {
+            auto& l = p.layers_[i];
+            const auto& place = p.plan_.layers[i];
+            const auto& d = l.host.description;
+            const int factor_source = place.factor_holders.front();
+            gather(p, l.state.a_factor, d.a_dim(), d.a_dim(), factor_source, writer, a, l.host.name + ".A", 2);
+            gather(p, l.state.g_factor, d.g_dim(), d.g_dim(), factor_source, writer, a, l.host.name + ".G", 2);
+            if (!second) continue;
+            // Every rank walks the same list of tensors: the source its own data, the others
+            // empty stand-ins of the same sizes.
+            typename method::layer_data expected{};
+            method::prepare_full(expected, d.a_dim(), d.g_dim(), p.options_);
+            const bool source = p.comm_.rank() == place.g_worker;
+            std::vector<std::pair<const char*, std::pair<std::int64_t, std::int64_t>>> shapes;
+            method::for_each_tensor(expected, [&](const char* name, const auto& x, int) {
+                shapes.push_back({name, {static_cast<std::int64_t>(x.rows()), static_cast<std::int64_t>(x.cols())}});
+            });
+            p.agree_on([&] {
+                if (!source) return;
+                std::size_t k = 0;
+                method::for_each_tensor(l.state.second, [&](const char* name, const auto& x, int) {
+                    const auto& [rows, cols] = shapes[k++].second;
+                    if (x.rows() != rows || x.cols() != cols)
+                        throw error(describe_layer(l.host.name, d) + ": its second-order data '" + name + "' is " +
+                                    std::to_string(x.rows()) + " x " + std::to_string(x.cols()) + " on rank " +
+                                    std::to_string(p.comm_.rank()) + ", not " + std::to_string(rows) + " x " +
+                                    std::to_string(cols) + " (an internal inconsistency; please report it)");
+                });
+            });
+            std::size_t k = 0;
+            method::for_each_tensor(source ? l.state.second : expected, [&](const char* name, const auto& x, int rank) {
+                const auto& [rows, cols] = shapes[k++].second;
+                if (rows * cols == 0) return;
+                gather(p, x, rows, cols, place.g_worker, writer, a, l.host.name + "." + name, rank);
+            });
+        }
+        if (!writer) return std::nullopt;
+        describe(p, o, a);
+        return a;
+    }
+
+    /// One tensor onto rank 0, from `source` (a broadcast when the source is another rank).
+    template <class Storage>
+    static void gather(P& p, const Storage& x, std::int64_t rows, std::int64_t cols, int source, bool writer,
+                       checkpoint::archive& a, std::string name, int tensor_rank) {
+        if (source == 0) {
+            if (writer) a.tensors.push_back(checkpoint::to_tensor<scalar>(std::move(name), backend::to_host(x), tensor_rank));
+            return;
+        }
+        host_matrix h(rows, cols);
+        if (p.comm_.rank() == source) h = backend::to_host(x);
+        p.comm_.broadcast(h.data(), static_cast<std::size_t>(h.size()), source, p.comm_.world());
+        p.comm_.wait();
+        if (writer) a.tensors.push_back(checkpoint::to_tensor<scalar>(std::move(name), h, tensor_rank));
+    }
+
+    static void describe(const P& p, const checkpoint::save_options& o, checkpoint::archive& a) {
+        namespace key = checkpoint::key;
+        auto& m = a.metadata;
+        m[key::format] = checkpoint::format_name;
+        m[key::version] = std::to_string(checkpoint::format_version);
+        m[key::library] = checkpoint::library_version();
+        m[key::step] = std::to_string(p.steps_);
+        m[key::scalar] = sizeof(scalar) == sizeof(float) ? "float" : "double";
+        m[key::method] = compute_method_name<typename P::compute_method>();
+        m[key::second_order] = p.steps_ == 0 ? "none yet" : o.second_order ? "included" : "omitted";
+        m[key::layers] = std::to_string(p.layers_.size());
+        m[key::world_size] = std::to_string(p.comm_.size());
+        m[key::strategy] = p.plan_.name;
+        m["second_order_damping"] = exact_number_text(p.second_order_damping_);
+        for (const auto& l : p.layers_) m[key::layer_prefix + l.host.name] = layer_signature(l.host.name, l.host.description);
+        for (const auto& item : p.configuration()) {
+            if (item.key.rfind("options.", 0) != 0) continue;
+            m[key::option_prefix + item.key.substr(8)] = item.value == "a schedule" ? "schedule" : item.value;
+        }
+        m[key::health_prefix + "skipped_factor_updates"] = std::to_string(p.health_.skipped_factor_updates);
+        m[key::health_prefix + "kept_decompositions"] = std::to_string(p.health_.kept_decompositions);
+        m[key::health_prefix + "zeroed_gradients"] = std::to_string(p.health_.zeroed_gradients);
+        m[key::checksum] = checkpoint::hex64(checkpoint::data_checksum(a.tensors));
+    }
+
+    /// What load() sets, built before anything changes.
+    struct staged {
+        std::int64_t step = 0;
+        health_counters health{};
+        double second_order_damping = 0.0;
+        bool recompute = false;  ///< second-order data to be recomputed from the factors
+        std::vector<std::optional<typename backend::matrix>> a_factor, g_factor;
+        std::vector<std::optional<typename method::layer_data>> second;
+    };
+
+    /// Checks the whole file against this preconditioner and builds what this rank will hold.
+    /// @throws kfac::error naming the source, the layer, what was expected and found, the fix.
+    static staged stage(const P& p, std::string_view bytes, const std::string& source, const checkpoint::load_options& o) {
+        namespace key = checkpoint::key;
+        const checkpoint::archive a = checkpoint::parse(bytes, source);
+        const checkpoint::header h = checkpoint::check_header(a, source);
+        const std::string where = "checkpoint " + source + ": ";
+        auto meta = [&](const std::string& k) -> const std::string& {
+            const auto it = a.metadata.find(k);
+            if (it == a.metadata.end()) throw error(where + "the metadata entry '" + k + "' is missing (the file is corrupt)");
+            return it->second;
+        };
+        const std::string ours = compute_method_name<typename P::compute_method>();
+        const bool file_has_second = h.second_order == "included";
+        const bool use_file_second = file_has_second && !o.recompute_second_order;
+        if (use_file_second && h.method != ours)
+            throw error(where + "it holds " + h.method + " data, but this preconditioner uses the " + ours +
+                        " method; load with load_options{.recompute_second_order = true} to recompute the data "
+                        "from the saved factors");
+        check_options(p, a, where, o, use_file_second);
+        // Layers: the registered ones and the file's must be the same set, with the same shapes.
+        std::map<std::string, std::string> file_layers;
+        for (const auto& [k, v] : a.metadata)
+            if (k.rfind(key::layer_prefix, 0) == 0) file_layers[k.substr(key::layer_prefix.size())] = v;
+        for (const auto& l : p.layers_) {
+            const auto it = file_layers.find(l.host.name);
+            const std::string signature = layer_signature(l.host.name, l.host.description);
+            if (it == file_layers.end())
+                throw error(where + "layer " + signature + " is registered but not in the file (it holds " +
+                            std::to_string(file_layers.size()) + " layers" + layer_list(file_layers) +
+                            "); register the layers the run was saved with, under the same names");
+            if (it->second != signature)
+                throw error(where + "layer '" + l.host.name + "' was saved as " + it->second + " but is registered as " +
+                            signature + "; register it with the shapes it was saved with");
+        }
+        for (const auto& [name, signature] : file_layers) {
+            bool known = false;
+            for (const auto& l : p.layers_) known = known || l.host.name == name;
+            if (!known)
+                throw error(where + "it holds layer " + signature + ", which is not registered; register every layer "
+                            "the run was saved with (a checkpoint is never loaded in part)");
+        }
+        // Tensors: every expected one present with its shape, and no other.
+        std::map<std::string, const checkpoint::tensor*> unclaimed;
+        for (const auto& t : a.tensors) unclaimed[t.name] = &t;
+        auto take = [&](const std::string& layer, const std::string& name, std::vector<std::int64_t> shape) {
+            const auto it = unclaimed.find(name);
+            if (it == unclaimed.end())
+                throw error(where + "layer '" + layer + "': tensor '" + name + "' (shape " + checkpoint::shape_text(shape) +
+                            ") is missing (the file is incomplete or corrupt)");
+            const checkpoint::tensor& t = *it->second;
+            if (t.type == checkpoint::dtype::i64)
+                throw error(where + "layer '" + layer + "': tensor '" + name + "' has dtype I64; factors are F32 or F64");
+            if (t.shape != shape)
+                throw error(where + "layer '" + layer + "': tensor '" + name + "' has shape " +
+                            checkpoint::shape_text(t.shape) + ", expected " + checkpoint::shape_text(shape));
+            unclaimed.erase(it);
+            return &t;
+        };
+        staged s;
+        s.step = h.step;
+        s.recompute = h.step > 0 && !use_file_second;
+        s.second_order_damping = parse_number(meta("second_order_damping"), where);
+        s.health.skipped_factor_updates = parse_count(meta(key::health_prefix + "skipped_factor_updates"), where);
+        s.health.kept_decompositions = parse_count(meta(key::health_prefix + "kept_decompositions"), where);
+        s.health.zeroed_gradients = parse_count(meta(key::health_prefix + "zeroed_gradients"), where);
+        for (const auto& l : p.layers_) {
+            const auto& d = l.host.description;
+            const auto& name = l.host.name;
+            const auto* ta = take(name, name + ".A", {d.a_dim(), d.a_dim()});
+            const auto* tg = take(name, name + ".G", {d.g_dim(), d.g_dim()});
+            auto& fa = s.a_factor.emplace_back();
+            auto& fg = s.g_factor.emplace_back();
+            if (l.role.holds_factors) {
+                fa = to_storage(*ta, d.a_dim(), d.a_dim());
+                fg = to_storage(*tg, d.g_dim(), d.g_dim());
+            }
+            auto& second = s.second.emplace_back();
+            if (!file_has_second) continue;
+            typename method::layer_data data{};
+            method::prepare_full(data, d.a_dim(), d.g_dim(), p.options_);
+            const bool mine = use_file_second && l.role.grad_worker;
+            method::for_each_tensor(data, [&](const char* suffix, auto& x, int rank) {
+                const auto rows = static_cast<std::int64_t>(x.rows()), cols = static_cast<std::int64_t>(x.cols());
+                if (rows * cols == 0) return;
+                const std::string tensor_name = name + "." + suffix;
+                if (!use_file_second) return;
+                const auto* t = take(name, tensor_name, checkpoint::stored_shape(rows, cols, rank));
+                if (mine) x = to_storage(*t, rows, cols);
+            });
+            if (mine) second = std::move(data);
+        }
+        if (file_has_second && !use_file_second)  // the file's second-order data, not used
+            std::erase_if(unclaimed, [&](const auto& entry) {
+                for (const auto& l : p.layers_)
+                    if (entry.first.rfind(l.host.name + ".", 0) == 0) return true;
+                return false;
+            });
+        if (!unclaimed.empty())
+            throw error(where + "tensor '" + unclaimed.begin()->first + "' belongs to no registered layer (" +
+                        std::to_string(unclaimed.size()) + " such tensor(s)); the file was not written by this "
+                        "preconditioner's save(), or with other layers");
+        return s;
+    }
+
+    /// Options that shape the numbers must be the file's, unless the caller allows changes;
+    /// compute_eigenvalue_outer_product must be whenever the file's data is loaded (it
+    /// decides which tensors the data has).
+    static void check_options(const P& p, const checkpoint::archive& a, const std::string& where,
+                              const checkpoint::load_options& o, bool use_file_second) {
+        for (const auto& item : p.configuration()) {
+            if (item.key.rfind("options.", 0) != 0) continue;
+            const std::string option = item.key.substr(8);
+            const bool structural = option == "compute_eigenvalue_outer_product" && use_file_second;
+            if (!checkpoint::shapes_the_numbers(option) || (o.allow_changed_options && !structural)) continue;
+            const auto it = a.metadata.find(checkpoint::key::option_prefix + option);
+            const std::string mine = item.value == "a schedule" ? "schedule" : item.value;
+            if (it == a.metadata.end())
+                throw error(where + "the metadata entry 'option." + option + "' is missing (the file is corrupt)");
+            if (it->second == mine) continue;
+            if (structural)
+                throw error(where + "its eigendecompositions were saved with compute_eigenvalue_outer_product = " +
+                            it->second + ", this preconditioner has " + mine + "; set the option as saved, or load "
+                            "with load_options{.recompute_second_order = true}");
+            throw error(where + "options." + option + " was " + it->second + " when it was saved and is " + mine +
+                        " now; a resume is exact only with the same options. Set it as saved, or load with "
+                        "load_options{.allow_changed_options = true} to continue with the new value");
+        }
+    }
+
+    static std::string layer_list(const std::map<std::string, std::string>& layers) {
+        std::string s;
+        std::size_t shown = 0;
+        for (const auto& [name, signature] : layers) {
+            if (shown++ == 8) return s + ", ...";
+            s += (shown == 1 ? ": '" : ", '") + name + "'";
+        }
+        return s;
+    }
+
+    static double parse_number(const std::string& text, const std::string& where) {
+        try {
+            std::size_t used = 0;
+            const double v = std::stod(text, &used);
+            if (used == text.size()) return v;
+        } catch (const std::exception&) {
+        }
+        throw error(where + "'" + text + "' in its metadata is not a number (the file is corrupt)");
+    }
+    static std::int64_t parse_count(const std::string& text, const std::string& where) {
+        try {
+            std::size_t used = 0;
+            const long long v = std::stoll(text, &used);
+            if (used == text.size() && v >= 0) return v;
+        } catch (const std::exception&) {
+        }
+        throw error(where + "'" + text + "' in its metadata is not a count (the file is corrupt)");
+    }
+
+    static typename backend::matrix to_storage(const checkpoint::tensor& t, std::int64_t rows, std::int64_t cols) {
+        host_matrix h(rows, cols);
+        checkpoint::from_tensor<scalar>(t, h);
+        return backend::from_host(std::move(h));
+    }
+
+    /// Sets the staged state: nothing here can fail but a device copy.
+    static void commit(P& p, staged&& s) {
+        for (std::size_t i = 0; i < p.layers_.size(); ++i) {
+            auto& st = p.layers_[i].state;
+            if (s.a_factor[i]) st.a_factor = std::move(*s.a_factor[i]);
+            if (s.g_factor[i]) st.g_factor = std::move(*s.g_factor[i]);
+            st.has_second = false;
+            if (s.second[i]) {
+                st.second = std::move(*s.second[i]);
+                st.has_second = true;
+            }
+        }
+        p.steps_ = s.step;
+        p.passes_ = 0;
+        p.health_ = s.health;
+        p.last_kl_scale_ = 1.0;
+        p.second_order_damping_ = s.second_order_damping;
+    }
+};
+
+}  // namespace kfac::detail

@@ -1,0 +1,69 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file layer_record.hpp
+/// Everything the preconditioner keeps per registered layer, in three named parts:
+/// * layer_binding: the host's layer (its name, description and how to reach its views);
+/// * layer_state: what K-FAC has learned about it (running factors, the statistics of the
+///   step in progress, the second-order data in force), which is what a checkpoint holds;
+/// * layer_scratch: buffers reused from step to step.
+/// Plus this rank's role in the layer's work (kfac/assignment/distribution_plan.hpp).
+
+#include <string>
+
+#include "kfac/assignment/distribution_plan.hpp"
+#include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/tensor_view.hpp"
+
+namespace kfac::detail {
+
+/// The host's layer: type-erased access to the views its layer_traits give.
+template <class Scalar>
+struct layer_binding {
+    std::string name;
+    layer_description description;
+    void* layer = nullptr;
+    tensor_view<const Scalar> (*activations)(const void*) = nullptr;
+    tensor_view<const Scalar> (*output_gradients)(const void*) = nullptr;
+    tensor_view<Scalar> (*weight_gradient)(void*) = nullptr;
+    tensor_view<Scalar> (*bias_gradient)(void*) = nullptr;
+};
+
+/// What K-FAC knows of one layer.
+template <class Backend, class Method>
+struct layer_state {
+    using matrix = typename Backend::matrix;
+    using scalar = typename Backend::scalar_type;
+
+    matrix a_factor, g_factor;  ///< running averages (the identity before the first update)
+    /// The step in progress: batch statistics (lower triangles) of the passes folded in so
+    /// far, and their rows. Scratch until step() commits; never part of a checkpoint.
+    matrix a_sum, g_sum;
+    scalar captured_rows = 0;  ///< rows of the passes accumulate() folded in
+    scalar pass_rows = 0;      ///< rows of the pass capture_pass() folded in last
+    /// Second-order data in force, on the ranks whose role holds it.
+    typename Method::layer_data second{};
+    bool has_second = false;
+};
+
+/// Buffers reused between steps.
+template <class Backend, class Method>
+struct layer_scratch {
+    using matrix = typename Backend::matrix;
+    typename Backend::workspace a_ws{}, g_ws{};  ///< of the A and G statistics
+    typename Method::workspace method_ws{};
+    matrix gamma, preconditioned;  ///< Γᵀ and Pᵀ (A_dim × G_dim), see Backend::load_gradient
+    bool usable = true;            ///< false: this step's gradient is zeroed
+};
+
+template <class Backend, class Method>
+struct layer_record {
+    layer_binding<typename Backend::scalar_type> host;
+    assignment::rank_role role{};
+    layer_state<Backend, Method> state{};
+    layer_scratch<Backend, Method> scratch{};
+
+    [[nodiscard]] const std::string& name() const noexcept { return host.name; }
+    [[nodiscard]] const layer_description& description() const noexcept { return host.description; }
+};
+
+}  // namespace kfac::detail

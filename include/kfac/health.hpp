@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file health.hpp
+/// What the preconditioner tells about the non-finite values it met and contained.
+
+#include <cstdint>
+#include <string>
+
+#include "kfac/options.hpp"
+
+namespace kfac {
+
+/// Something non-finite the preconditioner met and contained (see preconditioner::health).
+struct non_finite_event {
+    std::string layer;
+    non_finite_source source;
+    std::int64_t step;
+};
+
+/// Counters of contained non-finite values. Nothing non-finite ever reaches the gradients
+/// the preconditioner writes: a bad factor statistic is not folded into the running factor,
+/// a failed decomposition keeps the previous one, and a layer whose gradient (or
+/// preconditioned gradient) is not finite gets a zero gradient for that step.
+struct health_counters {
+    std::int64_t skipped_factor_updates = 0;  ///< batch statistics with NaN/Inf, not applied
+    std::int64_t kept_decompositions = 0;     ///< decompositions that failed; previous kept
+    std::int64_t zeroed_gradients = 0;        ///< layers whose gradient was zeroed for a step
+};
+
+}  // namespace kfac

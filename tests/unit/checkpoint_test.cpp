@@ -1,0 +1,443 @@
+// SPDX-License-Identifier: Apache-2.0
+// Checkpoint and resume: a run saved and loaded into a new preconditioner continues bitwise
+// as the uninterrupted run does; every corrupt or mismatched file is refused with a named
+// error and leaves the preconditioner as it was.
+
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <kfac/checkpoint/format.hpp>
+#include <kfac/kfac.hpp>
+
+#include "unit/test_util.hpp"
+
+namespace {
+
+using kfac_test::owned_layer;
+
+/// Three layers (linear with bias, linear without, conv with bias) whose inputs and
+/// gradients at step k, pass m are a function of (k, m) alone, so two runs see the same data.
+template <class T>
+struct model {
+    std::vector<owned_layer<T>> layers;
+
+    model() {
+        kfac::conv2d_geometry g;
+        g.kernel = {3, 3};
+        g.padding = {1, 1};
+        layers.push_back(kfac_test::random_linear<T>(6, 5, 4, true, 1));
+        layers.push_back(kfac_test::random_linear<T>(6, 4, 3, false, 2));
+        layers.push_back(kfac_test::random_conv<T>(2, 2, 3, g, true, 4, 4, 3));
+    }
+    void fill(std::int64_t k, std::int64_t pass) {
+        for (std::size_t i = 0; i < layers.size(); ++i) {
+            auto& l = layers[i];
+            const auto seed = static_cast<std::uint32_t>(1000 * k + 100 * pass + 10 * static_cast<std::int64_t>(i));
+            l.input = kfac_test::random_vector<T>(l.input.size(), seed);
+            l.grad_output = kfac_test::random_vector<T>(l.grad_output.size(), seed + 1, 0.5);
+            l.grad_weight = kfac_test::random_vector<T>(l.grad_weight.size(), seed + 2, 0.1);
+            l.grad_bias = kfac_test::random_vector<T>(l.grad_bias.size(), seed + 3, 0.1);
+            l.bind();
+        }
+    }
+    template <class P>
+    void register_with(P& p) {
+        const char* names[] = {"fc1", "fc2", "conv"};
+        for (std::size_t i = 0; i < layers.size(); ++i) p.register_layer(names[i], layers[i].view);
+    }
+    /// Runs steps [from, to) and appends every preconditioned gradient to `out`.
+    template <class P>
+    void run(P& p, std::int64_t from, std::int64_t to, std::int64_t passes, std::vector<std::vector<T>>& out) {
+        for (std::int64_t k = from; k < to; ++k) {
+            for (std::int64_t m = 0; m < passes; ++m) {
+                fill(k, m);
+                if (m + 1 < passes) p.accumulate();
+            }
+            p.step();
+            for (auto& l : layers) {
+                out.push_back(l.grad_weight);
+                out.push_back(l.grad_bias);
+            }
+        }
+    }
+};
+
+template <class Backend, class Method>
+using precond_t = kfac::KFAC<Backend, kfac::comm::serial, Method>;
+
+kfac::options resume_options(std::int64_t passes) {
+    kfac::options o;
+    o.damping = 0.003;
+    o.factor_decay = 0.9;
+    o.factor_update_steps = 3;  // neither interval divides the save point
+    o.inv_update_steps = 5;
+    o.accumulation_steps = passes;
+    o.kl_clip = 0.01;
+    o.lr = 0.1;
+    return o;
+}
+
+/// N steps straight, and N/2 + save + load into a new preconditioner (and new layer objects)
+/// + N/2: every gradient and the final factors are bitwise equal.
+template <class T, class Method>
+void check_bitwise_resume(std::int64_t passes, bool eigen_product) {
+    using P = precond_t<kfac::backend::cpu_eigen<T>, Method>;
+    constexpr std::int64_t n = 14, half = 7;
+    auto opts = resume_options(passes);
+    opts.compute_eigenvalue_outer_product = eigen_product;
+
+    model<T> straight_model;
+    P straight(opts);
+    straight_model.register_with(straight);
+    std::vector<std::vector<T>> straight_grads;
+    straight_model.run(straight, 0, n, passes, straight_grads);
+
+    model<T> first_model;
+    P first(opts);
+    first_model.register_with(first);
+    std::vector<std::vector<T>> resumed_grads;
+    first_model.run(first, 0, half, passes, resumed_grads);
+    const std::string bytes = first.save_bytes();
+
+    model<T> second_model;
+    P second(opts);
+    second_model.register_with(second);
+    second.load_bytes(bytes);
+    REQUIRE(second.steps() == half);
+    second_model.run(second, half, n, passes, resumed_grads);
+
+    REQUIRE(resumed_grads.size() == straight_grads.size());
+    for (std::size_t i = 0; i < straight_grads.size(); ++i) {
+        INFO("gradient " << i << " (step " << i / 6 << ")");
+        CHECK(resumed_grads[i] == straight_grads[i]);
+    }
+    for (const char* name : {"fc1", "fc2", "conv"}) {
+        CHECK(second.a_factor(name) == straight.a_factor(name));
+        CHECK(second.g_factor(name) == straight.g_factor(name));
+    }
+    CHECK(second.steps() == straight.steps());
+}
+
+}  // namespace
+
+TEST_CASE("resume is bitwise: eigendecomposition, double", "[checkpoint]") {
+    check_bitwise_resume<double, kfac::compute::eigendecomposition>(1, true);
+    check_bitwise_resume<double, kfac::compute::eigendecomposition>(1, false);
+}
+TEST_CASE("resume is bitwise: inverse, double", "[checkpoint]") {
+    check_bitwise_resume<double, kfac::compute::inverse>(1, false);
+}
+TEST_CASE("resume is bitwise: float, both methods", "[checkpoint]") {
+    check_bitwise_resume<float, kfac::compute::eigendecomposition>(1, true);
+    check_bitwise_resume<float, kfac::compute::inverse>(1, false);
+}
+TEST_CASE("resume is bitwise with gradient accumulation", "[checkpoint]") {
+    check_bitwise_resume<double, kfac::compute::eigendecomposition>(3, true);
+    check_bitwise_resume<float, kfac::compute::inverse>(2, false);
+}
+
+namespace {
+
+using P64 = precond_t<kfac::backend::cpu_eigen<double>, kfac::compute::eigendecomposition>;
+
+/// A preconditioner of `model` after 4 steps, and its checkpoint.
+struct saved_run {
+    model<double> m;
+    P64 p{resume_options(1)};
+    std::string bytes;
+    saved_run() {
+        m.register_with(p);
+        std::vector<std::vector<double>> ignored;
+        m.run(p, 0, 4, 1, ignored);
+        bytes = p.save_bytes();
+    }
+};
+
+/// The bytes of `a` with its checksum recomputed: a well-formed file with other content.
+std::string reseal(kfac::checkpoint::archive a) {
+    a.metadata[kfac::checkpoint::key::checksum] = kfac::checkpoint::hex64(kfac::checkpoint::data_checksum(a.tensors));
+    return kfac::checkpoint::serialize(a);
+}
+
+/// A fresh preconditioner with one step done, to show a failed load changes nothing.
+struct target {
+    model<double> m;
+    P64 p;
+    explicit target(kfac::options o = resume_options(1)) : p(std::move(o)) {
+        m.register_with(p);
+        std::vector<std::vector<double>> ignored;
+        m.run(p, 0, 1, 1, ignored);
+    }
+    void require_load_fails(const std::string& bytes, const std::vector<std::string>& phrases,
+                            kfac::checkpoint::load_options o = {}) {
+        const auto a_before = p.a_factor("fc1");
+        const auto steps_before = p.steps();
+        try {
+            p.load_bytes(bytes, o);
+            FAIL("load succeeded");
+        } catch (const kfac::error& e) {
+            for (const auto& phrase : phrases) CHECK_THAT(e.what(), Catch::Contains(phrase));
+        }
+        CHECK(p.steps() == steps_before);
+        CHECK(p.a_factor("fc1") == a_before);
+        // Still usable: a step runs.
+        std::vector<std::vector<double>> ignored;
+        m.run(p, steps_before, steps_before + 1, 1, ignored);
+    }
+};
+
+}  // namespace
+
+TEST_CASE("a checkpoint holds what the format names", "[checkpoint]") {
+    saved_run run;
+    const auto a = kfac::checkpoint::parse(run.bytes, "test");
+    const auto h = kfac::checkpoint::check_header(a, "test");
+    CHECK(h.step == 4);
+    CHECK(h.scalar == "double");
+    CHECK(h.method == "eigendecomposition");
+    CHECK(h.second_order == "included");
+    CHECK(a.metadata.at("option.damping") == "0.003");
+    CHECK(a.metadata.at("layer.conv") == "'conv' (conv2d 2->3, kernel 3x3, stride 1x1, padding 1x1, dilation 1x1, groups 1, bias)");
+    const auto* fc1_a = a.find("fc1.A");
+    REQUIRE(fc1_a != nullptr);
+    CHECK(fc1_a->shape == std::vector<std::int64_t>{6, 6});
+    const auto values = fc1_a->values<double>();
+    const auto& factor = run.p.a_factor("fc1");
+    for (int i = 0; i < 6; ++i)
+        for (int j = 0; j < 6; ++j) CHECK(values[static_cast<std::size_t>(i * 6 + j)] == factor(i, j));
+    for (const char* t : {"fc1.G", "fc2.A", "fc2.G", "conv.A", "conv.G", "fc1.A.eigenvectors", "fc1.G.eigenvalues",
+                          "conv.eigenvalue_product_inverse"})
+        CHECK(a.find(t) != nullptr);
+    // Without second-order data only the factors are stored.
+    const auto small = kfac::checkpoint::parse(run.p.save_bytes({.second_order = false}), "test");
+    CHECK(small.tensors.size() == 6);
+    CHECK(small.metadata.at("second_order") == "omitted");
+}
+
+TEST_CASE("a checkpoint round-trips through a file and a stream", "[checkpoint]") {
+    saved_run run;
+    const auto dir = std::filesystem::temp_directory_path() / "kfac_checkpoint_test";
+    std::filesystem::create_directories(dir);
+    const auto path = dir / "run.safetensors";
+    run.p.save(path);
+    CHECK_FALSE(std::filesystem::exists(dir / "run.safetensors.tmp"));
+    target t;
+    t.p.load(path);
+    CHECK(t.p.steps() == 4);
+    CHECK(t.p.a_factor("conv") == run.p.a_factor("conv"));
+    std::stringstream stream;
+    run.p.save(stream);
+    target u;
+    u.p.load(stream);
+    CHECK(u.p.g_factor("fc2") == run.p.g_factor("fc2"));
+    target v;
+    v.require_load_fails(std::string(), {"fewer than the 8"});
+    try {
+        v.p.load(dir / "missing.safetensors");
+        FAIL("loading a missing file succeeded");
+    } catch (const kfac::error& e) {
+        CHECK_THAT(e.what(), Catch::Contains("missing.safetensors") && Catch::Contains("cannot open"));
+    }
+    std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("corrupt, truncated and foreign files are refused and change nothing", "[checkpoint]") {
+    saved_run run;
+    target t;
+    std::string flipped = run.bytes;
+    flipped[flipped.size() - 3] ^= 0x10;
+    t.require_load_fails(flipped, {"checksum", "corrupted"});
+    t.require_load_fails(run.bytes.substr(0, run.bytes.size() - 100), {"(bytes in memory)", "truncated"});
+
+    auto a = kfac::checkpoint::parse(run.bytes, "test");
+    auto newer = a;
+    newer.metadata["format_version"] = std::to_string(kfac::checkpoint::format_version + 1);
+    t.require_load_fails(reseal(newer), {"format version 2", "newer"});
+    auto foreign = a;
+    foreign.metadata.erase("format");
+    t.require_load_fails(reseal(foreign), {"'format' is missing"});
+    auto extra = a;
+    extra.tensors.push_back(kfac::checkpoint::tensor::from<double>("stray", std::vector<double>{1.0}.data(), {1}));
+    t.require_load_fails(reseal(extra), {"tensor 'stray' belongs to no registered layer"});
+    auto missing = a;
+    std::erase_if(missing.tensors, [](const auto& x) { return x.name == "fc2.G"; });
+    t.require_load_fails(reseal(missing), {"layer 'fc2'", "'fc2.G'", "missing"});
+    auto integer = a;
+    for (auto& x : integer.tensors)
+        if (x.name == "fc1.A") x = kfac::checkpoint::tensor::from<std::int64_t>("fc1.A", std::vector<std::int64_t>(36, 1).data(), {6, 6});
+    t.require_load_fails(reseal(integer), {"'fc1.A' has dtype I64"});
+}
+
+TEST_CASE("a checkpoint loads only into the layers it was saved from", "[checkpoint]") {
+    saved_run run;
+    SECTION("a re-shaped layer") {
+        model<double> m;
+        m.layers[1] = kfac_test::random_linear<double>(6, 4, 5, false, 2);
+        P64 p(resume_options(1));
+        m.register_with(p);
+        try {
+            p.load_bytes(run.bytes);
+            FAIL("load succeeded");
+        } catch (const kfac::error& e) {
+            CHECK_THAT(e.what(), Catch::Contains("layer 'fc2' was saved as 'fc2' (linear 4->3, no bias)") &&
+                                     Catch::Contains("registered as 'fc2' (linear 4->5, no bias)"));
+        }
+        CHECK(p.steps() == 0);
+    }
+    SECTION("a layer the file lacks, and one it has but is not registered") {
+        model<double> m;
+        P64 p(resume_options(1));
+        p.register_layer("fc1", m.layers[0].view);
+        p.register_layer("fc2", m.layers[1].view);
+        p.register_layer("conv2", m.layers[2].view);
+        try {
+            p.load_bytes(run.bytes);
+            FAIL("load succeeded");
+        } catch (const kfac::error& e) {
+            CHECK_THAT(e.what(), Catch::Contains("'conv2'") && Catch::Contains("not in the file"));
+        }
+        P64 q(resume_options(1));
+        q.register_layer("fc1", m.layers[0].view);
+        q.register_layer("fc2", m.layers[1].view);
+        try {
+            q.load_bytes(run.bytes);
+            FAIL("load succeeded");
+        } catch (const kfac::error& e) {
+            CHECK_THAT(e.what(), Catch::Contains("holds layer 'conv'") && Catch::Contains("not registered"));
+        }
+    }
+}
+
+TEST_CASE("changed options are refused unless allowed", "[checkpoint]") {
+    saved_run run;
+    auto changed = resume_options(1);
+    changed.damping = 0.01;
+    target t(changed);
+    t.require_load_fails(run.bytes, {"options.damping was 0.003", "is 0.01", "allow_changed_options"});
+    t.p.load_bytes(run.bytes, {.allow_changed_options = true});
+    CHECK(t.p.steps() == 4);
+    // The eigenvalue product decides which tensors the data has: not waived.
+    auto no_product = resume_options(1);
+    no_product.compute_eigenvalue_outer_product = false;
+    target u(no_product);
+    u.require_load_fails(run.bytes, {"compute_eigenvalue_outer_product = true"}, {.allow_changed_options = true});
+    u.p.load_bytes(run.bytes, {.allow_changed_options = true, .recompute_second_order = true});
+    CHECK(u.p.steps() == 4);
+    // A schedule is a marker: the file says "schedule", a constant differs from it.
+    auto scheduled = resume_options(1);
+    scheduled.damping = kfac::hyperparameter<double>([](std::int64_t) { return 0.003; });
+    target v(scheduled);
+    v.require_load_fails(run.bytes, {"options.damping was 0.003 when it was saved and is schedule"});
+}
+
+TEST_CASE("the other compute method needs recomputed second-order data", "[checkpoint]") {
+    saved_run run;
+    using Pinv = precond_t<kfac::backend::cpu_eigen<double>, kfac::compute::inverse>;
+    model<double> m;
+    Pinv p(resume_options(1));
+    m.register_with(p);
+    try {
+        p.load_bytes(run.bytes);
+        FAIL("load succeeded");
+    } catch (const kfac::error& e) {
+        CHECK_THAT(e.what(), Catch::Contains("eigendecomposition data") && Catch::Contains("recompute_second_order"));
+    }
+    p.load_bytes(run.bytes, {.recompute_second_order = true});
+    CHECK(p.steps() == 4);
+    CHECK(p.a_factor("fc1") == run.p.a_factor("fc1"));
+}
+
+TEST_CASE("without second-order data, load recomputes it from the factors", "[checkpoint]") {
+    // Saved after step 5, an inverse update (5 % 5 == 0) that is no factor update (5 % 3 != 0):
+    // the data in force was computed from the saved factors, so recomputing it from them
+    // with the recorded damping gives it again.
+    model<double> m;
+    P64 p(resume_options(1));
+    m.register_with(p);
+    std::vector<std::vector<double>> grads;
+    m.run(p, 0, 6, 1, grads);  // steps 0..5; the last inverse update (5) saw the final factors
+    const std::string small = p.save_bytes({.second_order = false});
+    const std::string full = p.save_bytes();
+    CHECK(small.size() < full.size() / 2);
+    model<double> m2, m3;
+    P64 from_small(resume_options(1)), from_full(resume_options(1));
+    m2.register_with(from_small);
+    m3.register_with(from_full);
+    from_small.load_bytes(small);
+    from_full.load_bytes(full);
+    std::vector<std::vector<double>> a, b;
+    m2.run(from_small, 6, 9, 1, a);
+    m3.run(from_full, 6, 9, 1, b);
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i)
+        for (std::size_t j = 0; j < a[i].size(); ++j)
+            // The same factors, the same damping, the same solver: equal up to the solver's
+            // own run-to-run reproducibility, which is exact on one thread.
+            CHECK(a[i][j] == Approx(b[i][j]).epsilon(1e-12).margin(1e-15));
+}
+
+TEST_CASE("a double checkpoint loads into float and back", "[checkpoint]") {
+    saved_run run;
+    using P32 = precond_t<kfac::backend::cpu_eigen<float>, kfac::compute::eigendecomposition>;
+    model<float> m;
+    P32 p(resume_options(1));
+    m.register_with(p);
+    p.load_bytes(run.bytes);
+    CHECK(p.steps() == 4);
+    const auto& f = p.a_factor("fc1");
+    const auto& d = run.p.a_factor("fc1");
+    for (int i = 0; i < 6; ++i)
+        for (int j = 0; j < 6; ++j) CHECK(f(i, j) == static_cast<float>(d(i, j)));  // rounded to nearest
+    // float → double widens exactly.
+    model<double> m2;
+    P64 q(resume_options(1));
+    m2.register_with(q);
+    q.load_bytes(p.save_bytes());
+    for (int i = 0; i < 6; ++i)
+        for (int j = 0; j < 6; ++j) CHECK(q.a_factor("fc1")(i, j) == static_cast<double>(f(i, j)));
+}
+
+TEST_CASE("save refuses a step in progress; a step-0 checkpoint holds identities", "[checkpoint]") {
+    auto opts = resume_options(2);
+    opts.factor_update_steps = 1;
+    model<double> m;
+    P64 p(opts);
+    m.register_with(p);
+    const std::string at_zero = p.save_bytes();
+    CHECK(kfac::checkpoint::parse(at_zero, "t").metadata.at("second_order") == "none yet");
+    m.fill(0, 0);
+    p.accumulate();
+    CHECK_THROWS_WITH(p.save_bytes(), Catch::Contains("accumulate()") && Catch::Contains("save after step()"));
+    model<double> m2;
+    P64 q(opts);
+    m2.register_with(q);
+    q.load_bytes(at_zero);
+    CHECK(q.steps() == 0);
+    CHECK(q.a_factor("fc1") == Eigen::MatrixXd::Identity(6, 6));
+}
+
+TEST_CASE("layers() and memory_usage() describe the preconditioner", "[checkpoint]") {
+    saved_run run;
+    const auto layers = run.p.layers();
+    REQUIRE(layers.size() == 3);
+    CHECK(layers[0].name == "fc1");
+    CHECK(layers[0].a_dim == 6);
+    CHECK(layers[0].g_dim == 4);
+    CHECK(layers[2].kind == kfac::layer_kind::conv2d);
+    CHECK(layers[2].a_dim == 2 * 9 + 1);
+    CHECK(layers[1].grad_workers == std::vector<int>{0});
+    const auto usage = run.p.memory_usage();
+    // fc1 6+4, fc2 4+3, conv 19+3: factors n² doubles each.
+    const std::size_t factors = (36 + 16 + 16 + 9 + 361 + 9) * sizeof(double);
+    CHECK(usage.factors == factors);
+    CHECK(usage.statistics == factors);
+    // eigendecomposition with the product: Q_A, Q_G, λ_A, λ_G and D (A_dim × G_dim).
+    CHECK(usage.second_order == factors + (6 + 4 + 4 + 3 + 19 + 3 + 24 + 12 + 57) * sizeof(double));
+    CHECK(usage.total() == usage.factors + usage.statistics + usage.second_order + usage.gradients);
+}
