@@ -262,6 +262,12 @@ TEST_CASE("corrupt, truncated and foreign files are refused and change nothing",
     auto foreign = a;
     foreign.metadata.erase("format");
     t.require_load_fails(reseal(foreign), {"'format' is missing"});
+    auto bad_step = a;
+    bad_step.metadata["step"] = "3x";
+    t.require_load_fails(reseal(bad_step), {"metadata 'step' = '3x' is not a non-negative integer"});
+    auto bad_damping = a;
+    bad_damping.metadata["second_order_damping"] = "";
+    t.require_load_fails(reseal(bad_damping), {"'second_order_damping' = '' is not a number"});
     auto extra = a;
     extra.tensors.push_back(kfac::checkpoint::tensor::from<double>("stray", std::vector<double>{1.0}.data(), {1}));
     t.require_load_fails(reseal(extra), {"tensor 'stray' belongs to no registered layer"});

@@ -64,6 +64,7 @@ inline constexpr const char* checksum = "checksum";
 inline constexpr const char* scalar = "scalar";
 inline constexpr const char* method = "compute_method";
 inline constexpr const char* second_order = "second_order";  ///< "included", "omitted" or "none yet"
+inline constexpr const char* damping = "second_order_damping";  ///< γ of the last inverse update
 inline constexpr const char* layers = "layers";              ///< how many
 inline constexpr const char* world_size = "saved_world_size";
 inline constexpr const char* strategy = "saved_strategy";
@@ -96,31 +97,52 @@ struct header {
     std::string scalar, method, second_order, library;
 };
 
+/// A metadata entry's text. @throws kfac::error naming the source and the key.
+[[nodiscard]] inline const std::string& metadata_text(const archive& a, const std::string& k, const std::string& source) {
+    const auto it = a.metadata.find(k);
+    if (it == a.metadata.end())
+        throw error("checkpoint " + source + ": the metadata entry '" + k + "' is missing; it is not a complete " +
+                    format_name + " checkpoint (was it written by kfac's save()?)");
+    return it->second;
+}
+
+/// A metadata entry that must be a non-negative integer.
+[[nodiscard]] inline std::int64_t metadata_count(const archive& a, const std::string& k, const std::string& source) {
+    const std::string& text = metadata_text(a, k, source);
+    std::size_t used = 0;
+    long long v = -1;
+    try {
+        v = std::stoll(text, &used);
+    } catch (const std::exception&) {
+        used = 0;
+    }
+    if (used != text.size() || text.empty() || v < 0)
+        throw error("checkpoint " + source + ": metadata '" + k + "' = '" + text +
+                    "' is not a non-negative integer (the file is corrupt)");
+    return static_cast<std::int64_t>(v);
+}
+
+/// A metadata entry that must be a number (exact decimal, as save() writes it).
+[[nodiscard]] inline double metadata_number(const archive& a, const std::string& k, const std::string& source) {
+    const std::string& text = metadata_text(a, k, source);
+    std::size_t used = 0;
+    double v = 0.0;
+    try {
+        v = std::stod(text, &used);
+    } catch (const std::exception&) {
+        used = 0;
+    }
+    if (used != text.size() || text.empty())
+        throw error("checkpoint " + source + ": metadata '" + k + "' = '" + text + "' is not a number (the file is corrupt)");
+    return v;
+}
+
 /// @throws kfac::error naming `source`, what was expected and found, and the fix.
 [[nodiscard]] inline header check_header(const archive& a, const std::string& source) {
-    auto meta = [&](const char* k) -> const std::string& {
-        const auto it = a.metadata.find(k);
-        if (it == a.metadata.end())
-            throw error("checkpoint " + source + ": the metadata entry '" + k + "' is missing; it is not a " +
-                        format_name + " checkpoint (was it written by kfac's save()?)");
-        return it->second;
-    };
+    auto meta = [&](const char* k) -> const std::string& { return metadata_text(a, k, source); };
     if (meta(key::format) != format_name)
         throw error("checkpoint " + source + ": its format is '" + meta(key::format) + "', not " + format_name);
-    auto integer = [&](const char* k) {
-        const std::string& text = meta(k);
-        std::size_t used = 0;
-        long long v = 0;
-        try {
-            v = std::stoll(text, &used);
-        } catch (const std::exception&) {
-            used = 0;
-        }
-        if (used != text.size() || text.empty() || v < 0)
-            throw error("checkpoint " + source + ": metadata '" + k + "' = '" + text +
-                        "' is not a non-negative integer (the file is corrupt)");
-        return static_cast<std::int64_t>(v);
-    };
+    auto integer = [&](const char* k) { return metadata_count(a, k, source); };
     header h;
     h.library = meta(key::library);
     const auto version = integer(key::version);

@@ -123,7 +123,7 @@ struct checkpoint_io {
         m[key::layers] = std::to_string(p.layers_.size());
         m[key::world_size] = std::to_string(p.comm_.size());
         m[key::strategy] = p.plan_.name;
-        m["second_order_damping"] = exact_number_text(p.second_order_damping_);
+        m[key::damping] = exact_number_text(p.second_order_damping_);
         for (const auto& l : p.layers_) m[key::layer_prefix + l.host.name] = layer_signature(l.host.name, l.host.description);
         for (const auto& item : p.configuration()) {
             if (item.key.rfind("options.", 0) != 0) continue;
@@ -152,11 +152,6 @@ struct checkpoint_io {
         const checkpoint::archive a = checkpoint::parse(bytes, source);
         const checkpoint::header h = checkpoint::check_header(a, source);
         const std::string where = "checkpoint " + source + ": ";
-        auto meta = [&](const std::string& k) -> const std::string& {
-            const auto it = a.metadata.find(k);
-            if (it == a.metadata.end()) throw error(where + "the metadata entry '" + k + "' is missing (the file is corrupt)");
-            return it->second;
-        };
         const std::string ours = compute_method_name<typename P::compute_method>();
         const bool file_has_second = h.second_order == "included";
         const bool use_file_second = file_has_second && !o.recompute_second_order;
@@ -207,10 +202,10 @@ struct checkpoint_io {
         staged s;
         s.step = h.step;
         s.recompute = h.step > 0 && !use_file_second;
-        s.second_order_damping = parse_number(meta("second_order_damping"), where);
-        s.health.skipped_factor_updates = parse_count(meta(key::health_prefix + "skipped_factor_updates"), where);
-        s.health.kept_decompositions = parse_count(meta(key::health_prefix + "kept_decompositions"), where);
-        s.health.zeroed_gradients = parse_count(meta(key::health_prefix + "zeroed_gradients"), where);
+        s.second_order_damping = checkpoint::metadata_number(a, key::damping, source);
+        s.health.skipped_factor_updates = checkpoint::metadata_count(a, key::health_prefix + "skipped_factor_updates", source);
+        s.health.kept_decompositions = checkpoint::metadata_count(a, key::health_prefix + "kept_decompositions", source);
+        s.health.zeroed_gradients = checkpoint::metadata_count(a, key::health_prefix + "zeroed_gradients", source);
         for (const auto& l : p.layers_) {
             const auto& d = l.host.description;
             const auto& name = l.host.name;
@@ -283,25 +278,6 @@ struct checkpoint_io {
             s += (shown == 1 ? ": '" : ", '") + name + "'";
         }
         return s;
-    }
-
-    static double parse_number(const std::string& text, const std::string& where) {
-        try {
-            std::size_t used = 0;
-            const double v = std::stod(text, &used);
-            if (used == text.size()) return v;
-        } catch (const std::exception&) {
-        }
-        throw error(where + "'" + text + "' in its metadata is not a number (the file is corrupt)");
-    }
-    static std::int64_t parse_count(const std::string& text, const std::string& where) {
-        try {
-            std::size_t used = 0;
-            const long long v = std::stoll(text, &used);
-            if (used == text.size() && v >= 0) return v;
-        } catch (const std::exception&) {
-        }
-        throw error(where + "'" + text + "' in its metadata is not a count (the file is corrupt)");
     }
 
     static typename backend::matrix to_storage(const checkpoint::tensor& t, std::int64_t rows, std::int64_t cols) {
