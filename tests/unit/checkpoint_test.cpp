@@ -146,6 +146,18 @@ namespace {
 
 using P64 = precond_t<kfac::backend::cpu_eigen<double>, kfac::compute::eigendecomposition>;
 
+/// load_bytes() throws a kfac::error whose message holds every phrase.
+template <class P>
+void check_load_error(P& p, const std::string& bytes, const std::vector<std::string>& phrases,
+                      kfac::checkpoint::load_options o = {}) {
+    try {
+        p.load_bytes(bytes, o);
+        FAIL("load succeeded");
+    } catch (const kfac::error& e) {
+        for (const auto& phrase : phrases) CHECK_THAT(e.what(), Catch::Contains(phrase));
+    }
+}
+
 /// A preconditioner of `model` after 4 steps, and its checkpoint.
 struct saved_run {
     model<double> m;
@@ -178,12 +190,7 @@ struct target {
                             kfac::checkpoint::load_options o = {}) {
         const auto a_before = p.a_factor("fc1");
         const auto steps_before = p.steps();
-        try {
-            p.load_bytes(bytes, o);
-            FAIL("load succeeded");
-        } catch (const kfac::error& e) {
-            for (const auto& phrase : phrases) CHECK_THAT(e.what(), Catch::Contains(phrase));
-        }
+        check_load_error(p, bytes, phrases, o);
         CHECK(p.steps() == steps_before);
         CHECK(p.a_factor("fc1") == a_before);
         // Still usable: a step runs.
@@ -287,13 +294,8 @@ TEST_CASE("a checkpoint loads only into the layers it was saved from", "[checkpo
         m.layers[1] = kfac_test::random_linear<double>(6, 4, 5, false, 2);
         P64 p(resume_options(1));
         m.register_with(p);
-        try {
-            p.load_bytes(run.bytes);
-            FAIL("load succeeded");
-        } catch (const kfac::error& e) {
-            CHECK_THAT(e.what(), Catch::Contains("layer 'fc2' was saved as 'fc2' (linear 4->3, no bias)") &&
-                                     Catch::Contains("registered as 'fc2' (linear 4->5, no bias)"));
-        }
+        check_load_error(p, run.bytes, {"layer 'fc2' was saved as 'fc2' (linear 4->3, no bias)",
+                                        "registered as 'fc2' (linear 4->5, no bias)"});
         CHECK(p.steps() == 0);
     }
     SECTION("a layer the file lacks, and one it has but is not registered") {
@@ -302,21 +304,11 @@ TEST_CASE("a checkpoint loads only into the layers it was saved from", "[checkpo
         p.register_layer("fc1", m.layers[0].view);
         p.register_layer("fc2", m.layers[1].view);
         p.register_layer("conv2", m.layers[2].view);
-        try {
-            p.load_bytes(run.bytes);
-            FAIL("load succeeded");
-        } catch (const kfac::error& e) {
-            CHECK_THAT(e.what(), Catch::Contains("'conv2'") && Catch::Contains("not in the file"));
-        }
+        check_load_error(p, run.bytes, {"'conv2'", "not in the file"});
         P64 q(resume_options(1));
         q.register_layer("fc1", m.layers[0].view);
         q.register_layer("fc2", m.layers[1].view);
-        try {
-            q.load_bytes(run.bytes);
-            FAIL("load succeeded");
-        } catch (const kfac::error& e) {
-            CHECK_THAT(e.what(), Catch::Contains("holds layer 'conv'") && Catch::Contains("not registered"));
-        }
+        check_load_error(q, run.bytes, {"holds layer 'conv'", "not registered"});
     }
 }
 
@@ -348,12 +340,7 @@ TEST_CASE("the other compute method needs recomputed second-order data", "[check
     model<double> m;
     Pinv p(resume_options(1));
     m.register_with(p);
-    try {
-        p.load_bytes(run.bytes);
-        FAIL("load succeeded");
-    } catch (const kfac::error& e) {
-        CHECK_THAT(e.what(), Catch::Contains("eigendecomposition data") && Catch::Contains("recompute_second_order"));
-    }
+    check_load_error(p, run.bytes, {"eigendecomposition data", "recompute_second_order"});
     p.load_bytes(run.bytes, {.recompute_second_order = true});
     CHECK(p.steps() == 4);
     CHECK(p.a_factor("fc1") == run.p.a_factor("fc1"));

@@ -166,6 +166,11 @@ struct header {
     return h;
 }
 
+/// The shape a tensor of `rows` × `cols` has in a checkpoint.
+[[nodiscard]] inline std::vector<std::int64_t> stored_shape(std::int64_t rows, std::int64_t cols, int tensor_rank) {
+    return tensor_rank == 1 ? std::vector<std::int64_t>{rows * cols} : std::vector<std::int64_t>{rows, cols};
+}
+
 /// A host matrix (column-major, Eigen-like: rows(), cols(), operator()(i, j)) as a C-order
 /// tensor of shape {rows, cols}, or {rows} for a vector (tensor_rank 1).
 template <class Scalar, class HostMatrix>
@@ -174,20 +179,7 @@ template <class Scalar, class HostMatrix>
     std::vector<Scalar> values(static_cast<std::size_t>(rows * cols));
     for (std::int64_t i = 0; i < rows; ++i)
         for (std::int64_t j = 0; j < cols; ++j) values[static_cast<std::size_t>(i * cols + j)] = m(i, j);
-    std::vector<std::int64_t> shape = tensor_rank == 1 ? std::vector<std::int64_t>{rows * cols}
-                                                       : std::vector<std::int64_t>{rows, cols};
-    return tensor::from(std::move(name), values.data(), std::move(shape));
-}
-
-/// The shape a tensor of `rows` × `cols` has in a checkpoint.
-[[nodiscard]] inline std::vector<std::int64_t> stored_shape(std::int64_t rows, std::int64_t cols, int tensor_rank) {
-    return tensor_rank == 1 ? std::vector<std::int64_t>{rows * cols} : std::vector<std::int64_t>{rows, cols};
-}
-
-[[nodiscard]] inline std::string shape_text(const std::vector<std::int64_t>& shape) {
-    std::string s = "[";
-    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-    return s + "]";
+    return tensor::from(std::move(name), values.data(), stored_shape(rows, cols, tensor_rank));
 }
 
 /// A C-order tensor into a column-major host matrix of `rows` × `cols` (float ↔ double

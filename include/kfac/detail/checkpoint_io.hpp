@@ -188,14 +188,14 @@ struct checkpoint_io {
         auto take = [&](const std::string& layer, const std::string& name, std::vector<std::int64_t> shape) {
             const auto it = unclaimed.find(name);
             if (it == unclaimed.end())
-                throw error(where + "layer '" + layer + "': tensor '" + name + "' (shape " + checkpoint::shape_text(shape) +
+                throw error(where + "layer '" + layer + "': tensor '" + name + "' (shape " + shape_text(shape) +
                             ") is missing (the file is incomplete or corrupt)");
             const checkpoint::tensor& t = *it->second;
             if (t.type == checkpoint::dtype::i64)
                 throw error(where + "layer '" + layer + "': tensor '" + name + "' has dtype I64; factors are F32 or F64");
             if (t.shape != shape)
                 throw error(where + "layer '" + layer + "': tensor '" + name + "' has shape " +
-                            checkpoint::shape_text(t.shape) + ", expected " + checkpoint::shape_text(shape));
+                            shape_text(t.shape) + ", expected " + shape_text(shape));
             unclaimed.erase(it);
             return &t;
         };

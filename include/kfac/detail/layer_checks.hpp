@@ -70,7 +70,8 @@ inline void check_description(const std::string& name, const layer_description& 
 
 /// "[5, 6]". Built by appending: GCC 12 at -O3 warns falsely (-Wrestrict, bug 105329) on
 /// `"[" + std::to_string(...)`.
-inline std::string shape_text(std::initializer_list<std::int64_t> extents) {
+template <class Extents>
+std::string shape_text(const Extents& extents) {
     std::string s(1, '[');
     for (auto e : extents) {
         if (s.size() > 1) s += ", ";
@@ -78,6 +79,9 @@ inline std::string shape_text(std::initializer_list<std::int64_t> extents) {
     }
     s += ']';
     return s;
+}
+inline std::string shape_text(std::initializer_list<std::int64_t> extents) {
+    return shape_text<std::initializer_list<std::int64_t>>(extents);
 }
 
 /// A device view handed to a host backend cannot be read: say which view and what to do.
