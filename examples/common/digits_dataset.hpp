@@ -14,10 +14,8 @@
 /// // train.images: float [train.size(), 64] row-major in [0, 1]; train.labels: int [size()]
 /// ```
 ///
-/// Decompression: the file is gzip'd and the examples may not depend on zlib, so it is read
-/// through `gzip -dc` (popen). gzip is part of every Debian system (it is Essential) and the
-/// file is tiny, so a pipe is simpler and safer than a hand-written inflate; when gzip cannot
-/// be run the error says so. A path that does not end in `.gz` is read as plain CSV.
+/// The file is gzip'd; read_file.hpp reads it (through `gzip -dc`). A path that does not end
+/// in `.gz` is read as plain CSV.
 
 #include <algorithm>
 #include <array>
@@ -32,7 +30,7 @@
 #include <utility>
 #include <vector>
 
-#include <sys/wait.h>  // WIFEXITED / WEXITSTATUS for pclose's status (POSIX)
+#include "read_file.hpp"
 
 namespace kfac_examples::digits {
 
@@ -93,39 +91,6 @@ inline std::vector<std::filesystem::path> python_package_dirs() {
     return dirs;
 }
 
-/// The path quoted for /bin/sh: inside single quotes only ' itself needs care.
-inline std::string shell_quote(const std::string& s) {
-    std::string q = "'";
-    for (char c : s) {
-        if (c == '\'') q += "'\\''";
-        else q += c;
-    }
-    return q + "'";
-}
-
-inline std::string read_text(const std::filesystem::path& path) {
-    const std::string p = path.string();
-    const bool gz = path.extension() == ".gz";
-    std::FILE* f = gz ? ::popen(("gzip -dc -- " + shell_quote(p) + " 2>/dev/null").c_str(), "r")
-                      : std::fopen(p.c_str(), "rb");
-    if (!f) throw dataset_error("cannot " + std::string(gz ? "run gzip -dc on " : "open ") + p);
-    std::string text;
-    std::array<char, 1 << 14> buf{};
-    for (std::size_t n; (n = std::fread(buf.data(), 1, buf.size(), f)) > 0;) text.append(buf.data(), n);
-    if (!gz) {
-        std::fclose(f);
-        return text;
-    }
-    const int status = ::pclose(f);
-    if (status == -1 || !WIFEXITED(status) || WEXITSTATUS(status) == 127)
-        throw dataset_error("cannot decompress " + p +
-                            ": `gzip -dc` could not be run (is gzip installed and on PATH?)");
-    if (WEXITSTATUS(status) != 0)
-        throw dataset_error("`gzip -dc` failed on " + p + " (exit status " +
-                            std::to_string(WEXITSTATUS(status)) + "): not a valid gzip file?");
-    return text;
-}
-
 }  // namespace detail
 
 /// Where Debian's python3-sklearn puts the data set (or a pip install, when that is the one
@@ -153,7 +118,12 @@ inline dataset load(const std::filesystem::path& path) {
     if (!std::filesystem::is_regular_file(path, ec))
         throw dataset_missing("digits data set not found at " + path.string() +
                               ": apt install python3-sklearn or pass --data PATH");
-    const std::string text = detail::read_text(path);
+    std::string text;
+    try {
+        text = read_file(path);
+    } catch (const file_error& e) {
+        throw dataset_error(e.what());
+    }
 
     dataset d;
     d.images.reserve(static_cast<std::size_t>(expected_images) * pixels);

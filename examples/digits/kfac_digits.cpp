@@ -20,15 +20,14 @@
 #include <string>
 #include <vector>
 
-#include <sys/wait.h>  // WIFEXITED / WEXITSTATUS of std::system
-#include <unistd.h>    // isatty
-
 #include <kfac/kfac.hpp>
 
 #include "cli.hpp"
 #include "digits_dataset.hpp"
 #include "digits_training.hpp"
 #include "eigen_mlp.hpp"
+#include "progress_bar.hpp"
+#include "run_plot.hpp"
 
 namespace {
 
@@ -36,29 +35,6 @@ using namespace kfac_examples;
 namespace fs = std::filesystem;
 
 constexpr int exit_skip = 77;  // the data set is missing (CTest's SKIP_RETURN_CODE)
-
-/// A one-line progress bar on stderr, drawn only when stderr is a terminal, so that a log
-/// redirected to a file holds just the per-epoch table.
-class progress_bar {
-public:
-    progress_bar() : enabled_(::isatty(STDERR_FILENO) == 1) {}
-
-    void draw(int epoch, int epochs, const std::string& what, std::size_t done, std::size_t total) {
-        if (!enabled_) return;
-        constexpr int width = 30;
-        const int filled = total ? static_cast<int>(width * done / total) : width;
-        std::fprintf(stderr, "\r  epoch %3d/%-3d %-11s [%s%s] %3zu/%zu", epoch, epochs, what.c_str(),
-                     std::string(static_cast<std::size_t>(filled), '#').c_str(),
-                     std::string(static_cast<std::size_t>(width - filled), '.').c_str(), done, total);
-        std::fflush(stderr);
-    }
-    void clear() {
-        if (enabled_) std::fprintf(stderr, "\r%*s\r", 80, "");
-    }
-
-private:
-    bool enabled_;
-};
 
 /// One optimizer's run: its model, its optional preconditioner and what it reached.
 struct run {
@@ -104,54 +80,6 @@ double train_epoch(run& r, const digits::dataset& train, const std::vector<std::
     }
     r.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return loss_sum / static_cast<double>(steps);
-}
-
-/// The path quoted for /bin/sh (std::system).
-std::string shell_quote(const std::string& s) {
-    std::string q = "'";
-    for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-    return q + "'";
-}
-
-/// plot_digits.py: next to the executable (CMake copies it there), else in the source tree.
-std::optional<fs::path> find_plot_script() {
-    std::error_code ec;
-    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-    if (!ec && fs::is_regular_file(exe.parent_path() / "plot_digits.py", ec))
-        return exe.parent_path() / "plot_digits.py";
-#ifdef KFAC_DIGITS_SOURCE_DIR
-    if (fs::is_regular_file(fs::path(KFAC_DIGITS_SOURCE_DIR) / "plot_digits.py", ec))
-        return fs::path(KFAC_DIGITS_SOURCE_DIR) / "plot_digits.py";
-#endif
-    return std::nullopt;
-}
-
-/// Runs plot_digits.py on the CSV. A missing python3 or matplotlib is a note, not an error:
-/// the CSV holds everything. The first of $KFAC_PYTHON, the python3 on PATH and Debian's
-/// /usr/bin/python3 (where python3-matplotlib installs; PATH may lead to another one, e.g. a
-/// pyenv or venv interpreter) that can import matplotlib runs it.
-void plot(const fs::path& csv, const fs::path& png) {
-    const auto script = find_plot_script();
-    if (!script) {
-        std::printf("note: plot_digits.py not found next to the executable; no plot (the CSV has the data)\n");
-        return;
-    }
-    std::vector<std::string> pythons;
-    if (const char* p = std::getenv("KFAC_PYTHON"); p && *p) pythons.emplace_back(p);
-    pythons.insert(pythons.end(), {"python3", "/usr/bin/python3"});
-    std::fflush(stdout);
-    for (const auto& python : pythons) {
-        const std::string probe = shell_quote(python) + " -c 'import matplotlib' >/dev/null 2>&1";
-        if (std::system(probe.c_str()) != 0) continue;
-        const std::string cmd = shell_quote(python) + " " + shell_quote(script->string()) + " " +
-                                shell_quote(csv.string()) + " " + shell_quote(png.string());
-        const int status = std::system(cmd.c_str());
-        if (status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0) std::printf("plot: %s\n", png.c_str());
-        else std::printf("note: %s %s failed; no plot (the CSV has the data)\n", python.c_str(), script->c_str());
-        return;
-    }
-    std::printf("note: no python3 with matplotlib found (apt install python3-matplotlib, or set KFAC_PYTHON); "
-                "no plot, the CSV has the data\n");
 }
 
 void usage() {
@@ -298,7 +226,13 @@ int main(int argc, char** argv) {
                     precond.last_kl_scale(), static_cast<long long>(h.skipped_factor_updates),
                     static_cast<long long>(h.kept_decompositions), static_cast<long long>(h.zeroed_gradients));
         std::printf("csv: %s\n", csv_path.c_str());
-        if (want_plot) plot(csv_path, png_path);
+        if (want_plot) {
+#ifdef KFAC_DIGITS_SOURCE_DIR
+            run_plot("plot_digits.py", KFAC_DIGITS_SOURCE_DIR, csv_path, png_path);
+#else
+            run_plot("plot_digits.py", "", csv_path, png_path);
+#endif
+        }
 
         if (expect_accuracy && !(kf.accuracy >= *expect_accuracy)) {
             std::fprintf(stderr, "kfac_digits: FAILED: K-FAC's final test accuracy %.4f is below --expect-accuracy %.4f\n",

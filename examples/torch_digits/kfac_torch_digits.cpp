@@ -230,11 +230,8 @@ int main(int argc, char** argv) {
             // passes through its observer, and the SGD run above should not pay for that.
             kfac::torch::tracker<float> tracker;
             kfac::KFAC<> precond(opts);
-            const auto layers = kfac::torch::register_modules(precond, tracker, kfac_model);
-            std::printf("K-FAC preconditions %zu layers:", layers);
-            for (const auto& name : {"conv1", "conv2", "fc"})
-                if (precond.is_registered(name)) std::printf(" %s", name);
-            std::printf("\n\n");
+            const auto registered = kfac::torch::register_modules(precond, tracker, kfac_model);
+            std::printf("%s\n\n", registered.summary().c_str());
             kfac_run = train(kfac_model, train_set, test_set, orders, s, &precond);
         }
 

@@ -82,62 +82,36 @@ public:
     /// which must outlive it. Register every layer before the first step().
     /// @return false if options.skip_layers matched the layer (it is then not registered).
     /// @throws kfac::error for a duplicate name, an invalid description, or registration
-    ///         after the first step.
+    ///         after the first step; nothing is registered then.
     template <class Layer>
     bool register_layer(const std::string& name, Layer& layer) {
-        static_assert(detail::check_layer_adapter<Layer>());
-        if constexpr (layer_adapter<Layer>) {
-            using traits = layer_traits<Layer>;
-            static_assert(std::is_same_v<typename traits::scalar_type, scalar_type>,
-                          "kfac: the layer's layer_traits<Layer>::scalar_type differs from the "
-                          "backend's scalar type; use a double backend (cpu_eigen<double>, cuda<double>) "
-                          "for double layers and a float one for float layers.");
-            if (steps_ > 0 || started_)
-                throw error("layer '" + name + "': register_layer() after the first accumulate() "
-                            "or step(); register every layer before training starts");
-            for (const auto& l : layers_) {
-                if (l.host.name == name)
-                    throw error("layer '" + name + "' is already registered; give each layer a "
-                                "unique name");
-                // Two registrations of one object would fold its statistics in twice and
-                // precondition its gradient twice.
-                if (l.host.layer == static_cast<void*>(&layer))
-                    throw error("layer '" + name + "': this layer object is already registered as '" + l.host.name +
-                                "'; register each layer object once, under one name");
-            }
-            const layer_description d = traits::describe(layer);
-            if (skipped(name, d.kind)) return false;
-            detail::check_description(name, d);
-            layer_record r;
-            r.host.name = name;
-            r.host.description = d;
-            r.host.layer = static_cast<void*>(&layer);
-            r.host.activations = [](const void* p) {
-                return tensor_view<const scalar_type>(traits::activations(*static_cast<const Layer*>(p)));
-            };
-            r.host.output_gradients = [](const void* p) {
-                return tensor_view<const scalar_type>(traits::output_gradients(*static_cast<const Layer*>(p)));
-            };
-            r.host.weight_gradient = [](void* p) {
-                return tensor_view<scalar_type>(traits::weight_gradient(*static_cast<Layer*>(p)));
-            };
-            r.host.bias_gradient = [](void* p) {
-                return tensor_view<scalar_type>(traits::bias_gradient(*static_cast<Layer*>(p)));
-            };
-            const auto a = d.a_dim(), g = d.g_dim();
-            r.state.a_factor = Backend::identity(a);
-            r.state.g_factor = Backend::identity(g);
-            r.state.a_sum = Backend::zeros(a, a);
-            r.state.g_sum = Backend::zeros(g, g);
-            layers_.push_back(std::move(r));
-            return true;
+        auto record = make_record(name, layer, {});
+        if (!record) return false;
+        layers_.push_back(std::move(*record));
+        return true;
+    }
+
+    /// Registers several layers of one type, all or none: every layer is checked (as
+    /// register_layer() checks one, and against the others of the list) before any is
+    /// registered.
+    /// @return the number registered (options.skip_layers may leave some out).
+    /// @throws kfac::error as register_layer(); nothing is registered then.
+    template <class Layer>
+    std::size_t register_layers(const std::vector<std::pair<std::string, Layer*>>& list) {
+        std::vector<layer_record> records;
+        records.reserve(list.size());
+        for (const auto& [name, layer] : list) {
+            if (layer == nullptr) throw error("layer '" + name + "': register_layers() was given a null layer");
+            if (auto r = make_record(name, *layer, records)) records.push_back(std::move(*r));
         }
-        return false;
+        layers_.reserve(layers_.size() + records.size());
+        for (auto& r : records) layers_.push_back(std::move(r));
+        return records.size();
     }
 
     /// Folds the current forward/backward pass into the batch statistics. With
     /// accumulation_steps = m, call it after each of the first m − 1 passes of a step; step()
-    /// takes the last pass itself. Does nothing on steps that do not update factors.
+    /// takes the last pass itself. Reads nothing on steps that do not update factors.
     /// Collective under a CommPolicy with several ranks.
     /// @throws kfac::error on a view that disagrees with its layer, or when called m times;
     ///         the preconditioner is then as it was before the call.
@@ -155,11 +129,17 @@ public:
                             "step() takes the last pass");
             check_statistics();
         });
-        if (!factor_update) return;
-        const blas_threads_guard blas_threads(serial_blas_);
-        capture_pass();
-        for (auto& l : layers_) l.state.captured_rows = total_rows(l);
-        ++passes_;
+        if (factor_update) {
+            const blas_threads_guard blas_threads(serial_blas_);
+            capture_pass();
+            for (auto& l : layers_) {
+                l.state.captured_rows = total_rows(l);
+                l.state.captured_applications = total_applications(l);
+                if (l.host.applications_now() != 0) applied_in_step_ = true;
+            }
+            ++passes_;
+        }
+        end_pass();
     }
 
     /// One preconditioning step, the pipeline of K-FAC:
@@ -192,6 +172,7 @@ public:
         precondition_all(plan, outcome);
         const double scale = kl_clip_scale(plan);
         write_back(scale);
+        end_pass();
         commit(plan, scale, std::move(outcome));
     }
 
@@ -323,8 +304,89 @@ public:
 
 private:
     using group = typename CommPolicy::group;
-
     using layer_record = detail::layer_record<Backend, method>;
+
+    /// A checked record of `layer` (nullopt when options.skip_layers matches it), also checked
+    /// against `pending`, records about to be registered with it. Changes nothing.
+    template <class Layer>
+    std::optional<layer_record> make_record(const std::string& name, Layer& layer,
+                                            const std::vector<layer_record>& pending) const {
+        static_assert(detail::check_layer_adapter<Layer>());
+        if constexpr (layer_adapter<Layer>) {
+            using traits = layer_traits<Layer>;
+            static_assert(std::is_same_v<typename traits::scalar_type, scalar_type>,
+                          "kfac: the layer's layer_traits<Layer>::scalar_type differs from the "
+                          "backend's scalar type; use a double backend (cpu_eigen<double>, cuda<double>) "
+                          "for double layers and a float one for float layers.");
+            if (steps_ > 0 || started_)
+                throw error("layer '" + name + "': register_layer() after the first accumulate() "
+                            "or step(); register every layer before training starts");
+            for (const auto* registered : {&layers_, &pending})
+                for (const auto& l : *registered) {
+                    if (l.host.name == name)
+                        throw error("layer '" + name + "' is already registered; give each layer a "
+                                    "unique name");
+                    // Two registrations of one object would fold its statistics in twice and
+                    // precondition its gradient twice.
+                    if (l.host.layer == static_cast<void*>(&layer))
+                        throw error("layer '" + name + "': this layer object is already registered as '" +
+                                    l.host.name + "'; register each layer object once, under one name");
+                }
+            const layer_description d = traits::describe(layer);
+            if (skipped(name, d.kind)) return std::nullopt;
+            detail::check_description(name, d);
+            layer_record r;
+            r.host.name = name;
+            r.host.description = d;
+            r.host.layer = static_cast<void*>(&layer);
+            bind_statistics<Layer>(r.host);
+            r.host.weight_gradient = [](void* p) {
+                return tensor_view<scalar_type>(traits::weight_gradient(*static_cast<Layer*>(p)));
+            };
+            r.host.bias_gradient = [](void* p) {
+                return tensor_view<scalar_type>(traits::bias_gradient(*static_cast<Layer*>(p)));
+            };
+            if constexpr (detail::traits_have_gradient_presence<Layer>)
+                r.host.has_gradient = [](const void* p) {
+                    return static_cast<bool>(traits::has_gradient(*static_cast<const Layer*>(p)));
+                };
+            if constexpr (detail::traits_have_end_pass<Layer>)
+                r.host.end_pass = [](void* p) { traits::end_pass(*static_cast<Layer*>(p)); };
+            const auto a = d.a_dim(), g = d.g_dim();
+            r.state.a_factor = Backend::identity(a);
+            r.state.g_factor = Backend::identity(g);
+            r.state.a_sum = Backend::zeros(a, a);
+            r.state.g_sum = Backend::zeros(g, g);
+            return r;
+        }
+        return std::nullopt;
+    }
+
+    /// The binding's statistics views: the per-application form when the traits have it,
+    /// else one application per pass through the single-view members.
+    template <class Layer>
+    static void bind_statistics(detail::layer_binding<scalar_type>& b) {
+        using traits = layer_traits<Layer>;
+        if constexpr (detail::traits_have_applications<Layer>) {
+            b.applications = [](const void* p) {
+                return static_cast<std::int64_t>(traits::applications(*static_cast<const Layer*>(p)));
+            };
+            b.activations = [](const void* p, std::int64_t i) {
+                return tensor_view<const scalar_type>(traits::activations(*static_cast<const Layer*>(p), i));
+            };
+            b.output_gradients = [](const void* p, std::int64_t i) {
+                return tensor_view<const scalar_type>(traits::output_gradients(*static_cast<const Layer*>(p), i));
+            };
+        } else {
+            b.applications = [](const void*) { return std::int64_t{1}; };
+            b.activations = [](const void* p, std::int64_t) {
+                return tensor_view<const scalar_type>(traits::activations(*static_cast<const Layer*>(p)));
+            };
+            b.output_gradients = [](const void* p, std::int64_t) {
+                return tensor_view<const scalar_type>(traits::output_gradients(*static_cast<const Layer*>(p)));
+            };
+        }
+    }
 
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const {
         const char* lower = kind_name(kind);
@@ -442,25 +504,70 @@ private:
                                 "; call accumulate() after each of the first accumulation_steps - 1 "
                                 "forward/backward passes, and step() after the last");
                 check_statistics();
+                check_some_layer_applied();
             }
             check_gradients();
         });
+        agree_on_gradient_presence();
         return plan;
+    }
+
+    /// A layer without a gradient on one rank must have none on every rank (which layers
+    /// are preconditioned and shared is the same everywhere). One small allreduce, made only
+    /// when some layer's adapter can report a missing gradient. Collective.
+    void agree_on_gradient_presence() {
+        if (std::none_of(layers_.begin(), layers_.end(), [](const layer_record& l) { return l.host.has_gradient != nullptr; }))
+            return;
+        const std::size_t n = layers_.size();
+        std::vector<std::int64_t> seen(2 * n);  // [i]: some rank has it, [n + i]: some rank lacks it
+        for (std::size_t i = 0; i < n; ++i) {
+            seen[i] = layers_[i].scratch.active ? 1 : 0;
+            seen[n + i] = layers_[i].scratch.active ? 0 : 1;
+        }
+        comm_.allreduce_max(seen);
+        for (std::size_t i = 0; i < n; ++i)
+            if (seen[i] != 0 && seen[n + i] != 0)
+                throw error(detail::describe_layer(layers_[i].host.name, layers_[i].host.description) +
+                            ": has a gradient on some ranks and none on others; every rank must run the same "
+                            "layers in its forward pass (or the host must give the unused layer a zero gradient)");
     }
 
     void check_statistics() const {
         for (const auto& l : layers_)
             if (l.role.holds_factors)
                 in_layer(l, [&] {
-                    detail::check_statistics_views(l.host.name, l.host.description, l.host.activations(l.host.layer),
-                                                   l.host.output_gradients(l.host.layer), steps_, device_backend,
-                                                   device_probe);
+                    const std::int64_t n = l.host.applications_now();
+                    if (n < 0)
+                        throw error(detail::describe_layer(l.host.name, l.host.description) + ": the adapter's "
+                                    "applications() returned " + std::to_string(n) + "; it counts calls of the layer "
+                                    "in the pass (0 when it was not called)");
+                    for (std::int64_t i = 0; i < n; ++i)
+                        detail::check_statistics_views(l.host.name, l.host.description, l.host.activations_of(i),
+                                                       l.host.output_gradients_of(i), steps_, device_backend,
+                                                       device_probe);
                 });
     }
 
-    void check_gradients() const {
+    /// A factor-update step in which no layer was applied at all has nothing to learn from:
+    /// with an adapter that captures calls, that is a capture that saw nothing (the forward
+    /// pass ran where it could not see it), never a model that ran no layer.
+    void check_some_layer_applied() const {
+        if (layers_.empty() || applied_in_step_) return;
         for (const auto& l : layers_)
+            if (l.host.applications_now() != 0) return;
+        throw error("factor-update step " + std::to_string(steps_) + ": no registered layer was applied in any pass "
+                    "of the step (every adapter reported 0 applications), so there is nothing to update the factors "
+                    "with; run the forward and backward passes before step() (kfac::torch's tracker sees only "
+                    "forward passes in training mode, with gradients enabled, on the thread that created it, and "
+                    "not while at::enableRecordFunction(false) is in force)");
+    }
+
+    /// Marks the layers that have a gradient this step (scratch.active) and checks their views.
+    void check_gradients() {
+        for (auto& l : layers_)
             in_layer(l, [&] {
+                l.scratch.active = l.host.gradient_present();
+                if (!l.scratch.active) return;
                 detail::check_gradient_views(l.host.name, l.host.description, l.host.weight_gradient(l.host.layer),
                                              l.host.bias_gradient(l.host.layer), device_backend, device_probe);
             });
@@ -563,53 +670,89 @@ private:
     scalar_type total_rows(const layer_record& l) const {
         return (passes_ == 0 ? scalar_type(0) : l.state.captured_rows) + l.state.pass_rows;
     }
+    /// Applications of the layer in this step so far, the pass just captured included.
+    std::int64_t total_applications(const layer_record& l) const {
+        return (passes_ == 0 ? 0 : l.state.captured_applications) + l.state.pass_applications;
+    }
 
-    /// Folds this pass's statistics into a_sum/g_sum (scratch until the step commits; the
-    /// first pass overwrites them); one task per factor.
+    /// Folds every application of this pass into a_sum/g_sum (scratch until the step
+    /// commits; the first application of the step overwrites them); one task per factor.
     void capture_pass() {
-        const scalar_type beta = passes_ == 0 ? scalar_type(0) : scalar_type(1);
         std::vector<detail::task> tasks;
         for (auto& l : layers_) {
             if (!l.role.holds_factors) continue;
-            const auto a = l.host.activations(l.host.layer);
-            const auto g = l.host.output_gradients(l.host.layer);
-            const auto rows = l.host.description.kind == layer_kind::linear ? detail::leading_rows(a) : a.extent(0);
+            const std::int64_t n = l.host.applications_now();
+            std::vector<tensor_view<const scalar_type>> a(static_cast<std::size_t>(n)), g(a.size());
+            std::int64_t rows = 0;
+            double a_elements = 0.0, g_elements = 0.0;
+            for (std::size_t i = 0; i < a.size(); ++i) {
+                a[i] = l.host.activations_of(static_cast<std::int64_t>(i));
+                g[i] = l.host.output_gradients_of(static_cast<std::int64_t>(i));
+                rows += l.host.description.kind == layer_kind::linear ? detail::leading_rows(a[i]) : a[i].extent(0);
+                a_elements += static_cast<double>(a[i].size());
+                g_elements += static_cast<double>(g[i].size());
+            }
             l.state.pass_rows = static_cast<scalar_type>(rows);
+            l.state.pass_applications = n;
+            if (n == 0) continue;
+            const std::int64_t folded = passes_ == 0 ? 0 : l.state.captured_applications;
             const double n_a = static_cast<double>(l.host.description.a_dim()), n_g = static_cast<double>(l.host.description.g_dim());
             // Cost ∝ rows of the product × n²: the input elements stand in for rows × n.
-            tasks.push_back({static_cast<double>(a.size()) * n_a, [&l, a, beta, this] {
+            tasks.push_back({a_elements * n_a, [&l, a = std::move(a), folded, this] {
                                  in_layer(l, [&] {
-                                     Backend::accumulate_a_statistic(l.state.a_sum, l.host.description, a, options_.conv_patches,
-                                                                     beta, l.scratch.a_ws);
+                                     for (std::size_t i = 0; i < a.size(); ++i)
+                                         Backend::accumulate_a_statistic(l.state.a_sum, l.host.description, a[i],
+                                                                         options_.conv_patches, first_beta(folded, i),
+                                                                         l.scratch.a_ws);
                                  });
                              }});
-            tasks.push_back({static_cast<double>(g.size()) * n_g, [&l, g, beta] {
+            tasks.push_back({g_elements * n_g, [&l, g = std::move(g), folded] {
                                  in_layer(l, [&] {
-                                     Backend::accumulate_g_statistic(l.state.g_sum, l.host.description, g, beta, l.scratch.g_ws);
+                                     for (std::size_t i = 0; i < g.size(); ++i)
+                                         Backend::accumulate_g_statistic(l.state.g_sum, l.host.description, g[i],
+                                                                         first_beta(folded, i), l.scratch.g_ws);
                                  });
                              }});
         }
         agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
     }
 
-    /// Running averages F ← ξF + (1 − ξ)F̂. Under KAISA with several ranks F̂ is the average
-    /// of the ranks' batch statistics weighted by their rows (equal to KAISA's plain average
-    /// for equal local batches, and exact for unequal ones), summed in one bucketed
-    /// allreduce pass that also carries the weights.
+    /// β of an application's statistic: 0 for the step's first (it overwrites the sum left
+    /// by the previous step), 1 after.
+    static scalar_type first_beta(std::int64_t folded_before, std::size_t i) {
+        return folded_before == 0 && i == 0 ? scalar_type(0) : scalar_type(1);
+    }
+
+    /// Tells every layer's host that the current pass has been read (traits' end_pass).
+    void end_pass() {
+        for (auto& l : layers_)
+            if (l.host.end_pass) l.host.end_pass(l.host.layer);
+    }
+
+    /// Running averages F ← ξF + (1 − ξ)F̂, F̂ the mean of the step's applications' batch
+    /// statistics. Under KAISA with several ranks F̂ is the average of the ranks' batch
+    /// statistics weighted by their rows (equal to KAISA's plain average for equal local
+    /// batches, and exact for unequal ones), summed in one bucketed allreduce pass that also
+    /// carries the weights. A layer applied nowhere in the step keeps its factors as they are.
     void update_factors(const detail::step_plan& plan, step_outcome& outcome) {
         const double decay = plan.factor_decay;
         const auto xi = static_cast<scalar_type>(decay);
-        const std::int64_t passes = passes_ + 1;  // the accumulated ones and this step's
         const bool averaged = options_.strategy == distribution::kaisa && comm_.size() > 1;
         std::vector<scalar_type> weights;
         if (averaged) {
             std::vector<allreduce_item<scalar_type>> items;
             for (auto& l : layers_) {
-                // Mean over passes, times this rank's rows: Σ_r rows_r · F̂_r is summed.
+                // Mean over applications, times this rank's rows: Σ_r rows_r · F̂_r is summed.
                 const auto rows = total_rows(l);
-                const auto w = rows / static_cast<scalar_type>(passes);
-                Backend::scale_symmetric(l.state.a_sum, w);
-                Backend::scale_symmetric(l.state.g_sum, w);
+                const auto applications = total_applications(l);
+                if (applications == 0) {  // this rank contributes nothing (the sums are stale)
+                    l.state.a_sum = Backend::zeros(l.host.description.a_dim(), l.host.description.a_dim());
+                    l.state.g_sum = Backend::zeros(l.host.description.g_dim(), l.host.description.g_dim());
+                } else {
+                    const auto w = rows / static_cast<scalar_type>(applications);
+                    Backend::scale_symmetric(l.state.a_sum, w);
+                    Backend::scale_symmetric(l.state.g_sum, w);
+                }
                 for (matrix* sum : {&l.state.a_sum, &l.state.g_sum}) {
                     const auto n = static_cast<std::size_t>(sum->size());
                     items.push_back({staging_.stage(sum->data(), n, true, true), n, true, sum->rows()});
@@ -624,8 +767,9 @@ private:
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
             if (!l.role.holds_factors) continue;
-            const auto weight = averaged ? static_cast<scalar_type>((1.0 - decay) / static_cast<double>(weights[i]))
-                                         : static_cast<scalar_type>((1.0 - decay) / static_cast<double>(passes));
+            const double count = averaged ? static_cast<double>(weights[i]) : static_cast<double>(total_applications(l));
+            if (count == 0.0) continue;  // applied on no rank in this step: no data, no decay
+            const auto weight = static_cast<scalar_type>((1.0 - decay) / count);
             if (Backend::lower_all_finite(l.state.a_sum) && Backend::lower_all_finite(l.state.g_sum)) {
                 Backend::running_average(l.state.a_factor, l.state.a_sum, xi, weight);
                 Backend::running_average(l.state.g_factor, l.state.g_sum, xi, weight);
@@ -699,6 +843,7 @@ private:
         const double damping = plan.damping;
         std::vector<detail::task> tasks;
         for (auto& l : layers_) {
+            if (!l.scratch.active) continue;  // no gradient: nothing to precondition or share
             const double n_a = static_cast<double>(l.host.description.a_dim()), n_g = static_cast<double>(l.host.description.g_dim());
             tasks.push_back({n_a * n_g * (n_a + n_g), [&l, damping, this] { in_layer(l, [&] {
                                  Backend::load_gradient(l.scratch.gamma, as_const(l.host.weight_gradient(l.host.layer)),
@@ -716,7 +861,7 @@ private:
         }
         agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
         for (auto& l : layers_)
-            if (l.role.share_gradient) {
+            if (l.role.share_gradient && l.scratch.active) {
                 const auto n = static_cast<std::size_t>(l.scratch.preconditioned.size());
                 comm_.broadcast(staging_.stage(l.scratch.preconditioned.data(), n, l.role.grad_worker, !l.role.grad_worker), n,
                                 l.role.grad_root, gradient_group_);
@@ -725,7 +870,8 @@ private:
         staging_.complete();
         std::vector<std::int64_t> unusable(layers_.size());
         for (std::size_t i = 0; i < layers_.size(); ++i)
-            unusable[i] = !(Backend::all_finite(layers_[i].scratch.gamma) && Backend::all_finite(layers_[i].scratch.preconditioned));
+            unusable[i] = layers_[i].scratch.active && !(Backend::all_finite(layers_[i].scratch.gamma) &&
+                                                         Backend::all_finite(layers_[i].scratch.preconditioned));
         comm_.allreduce_max(unusable);
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
@@ -741,14 +887,14 @@ private:
         if (!plan.kl_clip) return 1.0;
         double vg_sum = 0.0;
         for (const auto& l : layers_)
-            if (l.scratch.usable) vg_sum += Backend::frobenius_dot(l.scratch.preconditioned, l.scratch.gamma);
+            if (l.scratch.active && l.scratch.usable) vg_sum += Backend::frobenius_dot(l.scratch.preconditioned, l.scratch.gamma);
         vg_sum *= plan.lr * plan.lr;
         return vg_sum == 0.0 ? 1.0 : std::min(1.0, std::sqrt(*plan.kl_clip / std::abs(vg_sum)));
     }
 
     void write_back(double scale) {
         for (auto& l : layers_)
-            in_layer(l, [&] {
+            if (l.scratch.active) in_layer(l, [&] {
                 Backend::store_gradient(l.scratch.preconditioned, static_cast<scalar_type>(scale), l.host.weight_gradient(l.host.layer),
                                         l.host.bias_gradient(l.host.layer));
             });
@@ -758,7 +904,10 @@ private:
     /// last, so whatever it throws, the gradients are written and nothing non-finite is left
     /// in them; every event is delivered and the first exception is rethrown.
     void commit(const detail::step_plan& plan, double scale, step_outcome outcome) {
-        if (plan.factor_update) passes_ = 0;
+        if (plan.factor_update) {
+            passes_ = 0;
+            applied_in_step_ = false;
+        }
         last_kl_scale_ = scale;
         health_.skipped_factor_updates += outcome.health.skipped_factor_updates;
         health_.kept_decompositions += outcome.health.kept_decompositions;
@@ -782,6 +931,7 @@ private:
     std::vector<layer_record> layers_;
     std::int64_t steps_ = 0;
     std::int64_t passes_ = 0;  // forward/backward passes folded into the current statistics
+    bool applied_in_step_ = false;  // some layer was applied in a pass accumulate() folded in
     bool started_ = false;
     double last_kl_scale_ = 1.0;
     double second_order_damping_ = 0.0;  // of the last inverse update (checkpoints record it)

@@ -15,6 +15,7 @@
 #include <kfac/comm/mpi.hpp>
 #include <kfac/kfac.hpp>
 
+#include "unit/applied_layer.hpp"
 #include "unit/test_util.hpp"
 
 using namespace kfac_test;
@@ -416,5 +417,68 @@ TEST_CASE("checkpoints: one file from every strategy, and failures raised on eve
     CHECK_THROWS_WITH(p.save("no/such/folder/kfac.safetensors"), Contains(who + "checkpoint") && Contains("cannot create"));
     m.reset_gradients();
     p.step();  // still usable on every rank
+    CHECK(p.steps() == 1);
+}
+
+TEST_CASE("a layer applied on some ranks only: the factors average the ranks that applied it", "[mpi][applications]") {
+    // Rank r applies "branch" iff r is even, on 8 rows of its own data; every rank applies
+    // "trunk". With equal rows the rows-weighted mean over the applying ranks is the
+    // statistic of their rows together, which one process computes from the concatenation.
+    const int w = world_size(), me = world_rank();
+    applied_layer<double> branch(4, 3, true), trunk(3, 2, false);
+    kfac::options o;
+    o.damping = 0.01;
+    mpi_kfac<> p(o, kfac::comm::mpi());
+    p.register_layer("branch", branch);
+    p.register_layer("trunk", trunk);
+    if (me % 2 == 0) branch.apply(8, static_cast<std::uint32_t>(100 + me));
+    trunk.apply(8, 7);
+    p.step();
+
+    std::vector<double> input, grad_output;
+    std::int64_t rows = 0;
+    for (int r = 0; r < w; r += 2) {
+        const auto l = random_linear<double>(8, 4, 3, true, static_cast<std::uint32_t>(100 + r));
+        input.insert(input.end(), l.input.begin(), l.input.end());
+        grad_output.insert(grad_output.end(), l.grad_output.begin(), l.grad_output.end());
+        rows += 8;
+    }
+    kfac::layer_view<double> together;
+    together.description = kfac::linear_description(4, 3, true);
+    together.input = kfac::tensor_view<const double>(input.data(), {rows, 4});
+    together.grad_output = kfac::tensor_view<const double>(grad_output.data(), {rows, 3});
+    std::vector<double> gw(12), gb(3);
+    together.grad_weight = kfac::tensor_view<double>(gw.data(), {3, 4});
+    together.grad_bias = kfac::tensor_view<double>(gb.data(), {3});
+    kfac::KFAC<kfac::backend::cpu_eigen<double>> single(o);
+    single.register_layer("branch", together);
+    single.step();
+    INFO("W=" << w << " rank " << me);
+    // Sums of ≤ 16 products, scaled and averaged over ≤ 2 ranks: 64ε is ample.
+    CHECK(rel_err(p.a_factor("branch").reshaped(), single.a_factor("branch").reshaped()) < 64 * eps<double>());
+    CHECK(rel_err(p.g_factor("branch").reshaped(), single.g_factor("branch").reshaped()) < 64 * eps<double>());
+}
+
+TEST_CASE("a layer with a gradient on some ranks only is an error on every rank", "[mpi][applications]") {
+    const int w = world_size(), me = world_rank();
+    applied_layer<double> a(4, 3, true), b(3, 2, false);
+    mpi_kfac<> p({}, kfac::comm::mpi());
+    p.register_layer("a", a);
+    p.register_layer("b", b);
+    a.apply(8, 1);
+    b.apply(8, 2);
+    b.gradient = me != w - 1;  // the last rank has none
+    const auto weight = a.grad_weight;
+    if (w == 1) {  // alone, a missing gradient is simply left alone
+        p.step();
+        CHECK(p.steps() == 1);
+        return;
+    }
+    CHECK_THROWS_WITH(p.step(), Contains("layer 'b'") && Contains("has a gradient on some ranks and none on others"));
+    CHECK(p.steps() == 0);
+    CHECK(a.grad_weight == weight);
+    // None on every rank: left alone everywhere, and the step goes through.
+    b.gradient = false;
+    p.step();
     CHECK(p.steps() == 1);
 }

@@ -172,7 +172,7 @@ TEMPLATE_TEST_CASE("the torch adapter preconditions like plain views of the same
     using precond_t = kfac::KFAC<kfac::backend::cpu_eigen<T>>;
     kfac::torch::tracker<T> tracker;
     precond_t through_torch(opts), through_views(opts);
-    REQUIRE(kfac::torch::register_modules(through_torch, tracker, net) == layer_names.size());
+    REQUIRE(kfac::torch::register_modules(through_torch, tracker, net).size() == layer_names.size());
 
     const auto descriptions = reference_descriptions();
     std::vector<copied_layer<T>> copies(layer_names.size());
@@ -201,7 +201,10 @@ TEMPLATE_TEST_CASE("the torch adapter preconditions like plain views of the same
         net->zero_grad();
         reference_pass ref;
         F::cross_entropy(ref.forward(net, x), target).backward();
-        for (std::size_t i = 0; i < copies.size(); ++i) copies[i].set_statistics(ref.inputs[i], ref.outputs[i].grad());
+        for (std::size_t i = 0; i < copies.size(); ++i) {
+            copies[i].set_statistics(ref.inputs[i], ref.outputs[i].grad());
+            tracker.layer(layer_names[i]).end_pass();  // the tracker saw this pass too: not part of the step
+        }
 
         // The training step as a user writes it.
         net->zero_grad();
@@ -244,7 +247,7 @@ TEST_CASE("the torch adapter captures Sequential members and Linear on 3-D input
     auto model = std::make_shared<model_impl>();
     kfac::torch::tracker<float> tracker;
     kfac::KFAC<> precond;
-    REQUIRE(kfac::torch::register_modules(precond, tracker, model) == 2);
+    REQUIRE(kfac::torch::register_modules(precond, tracker, model).size() == 2);
     CHECK(precond.is_registered("body.0"));
     CHECK(precond.is_registered("body.2"));
 
@@ -267,26 +270,35 @@ TEST_CASE("the torch adapter captures Sequential members and Linear on 3-D input
     CHECK_NOTHROW(precond.step());
 }
 
-TEST_CASE("forward passes without a backward pass leave the captured pass alone", "[torch]") {
+TEST_CASE("only training-mode passes with a backward pass are captured", "[torch]") {
     torch::manual_seed(5);
     auto fc = nn::Linear(3, 2);
     kfac::torch::tracker<float> tracker;
     auto& layer = tracker.track("fc", fc);
     CHECK(layer.passes() == 0);
+    CHECK(layer.applications() == 0);
     CHECK_FALSE(layer.input().defined());
 
     const auto x = torch::randn({4, 3});
     fc(x).sum().backward();
     REQUIRE(layer.passes() == 1);
+    CHECK(layer.applications() == 1);
     CHECK(torch::equal(layer.input(), x));
     {
         torch::NoGradGuard no_grad;  // evaluation
         (void)fc(torch::randn({5, 3}));
     }
     (void)fc(torch::randn({6, 3}));  // gradients enabled, but no backward
+    fc->eval();                      // evaluation mode, with gradients (as kfac-pytorch: not captured)
+    fc(torch::randn({7, 3})).sum().backward();
+    fc->train();
     CHECK(layer.passes() == 1);
+    CHECK(layer.applications() == 1);
     CHECK(torch::equal(layer.input(), x));
     CHECK(layer.grad_output().sizes() == torch::IntArrayRef({4, 2}));
+    layer.end_pass();
+    CHECK(layer.applications() == 0);
+    CHECK(layer.passes() == 1);
 }
 
 TEST_CASE("a tracker removes its observer when the last one goes", "[torch]") {
@@ -358,7 +370,9 @@ TEST_CASE("torch adapter errors name the layer", "[torch][errors]") {
         }
         fc->weight.mutable_grad() = torch::zeros({2, 3});
         fc->bias.mutable_grad() = torch::zeros({2});
-        CHECK_THROWS_WITH(precond.step(), Catch::Contains("layer 'head'") && Catch::Contains("no forward and backward pass"));
+        CHECK_THROWS_WITH(precond.step(), Catch::Contains("no registered layer was applied") &&
+                                              Catch::Contains("training mode, with gradients enabled"));
+        CHECK(precond.steps() == 0);
     }
     SECTION("modules that are not Linear or Conv2d, and duplicates") {
         kfac::torch::tracker<float> tracker;
@@ -394,8 +408,276 @@ TEST_CASE("torch adapter errors name the layer", "[torch][errors]") {
         kfac::options opts;
         opts.skip_layers = {"grouped", "^same$"};
         kfac::KFAC<> precond(opts);
-        CHECK(kfac::torch::register_modules(precond, tracker, model) == 1);
+        const auto report = kfac::torch::register_modules(precond, tracker, model);
+        CHECK(report.registered == std::vector<std::string>{"head"});
         CHECK(tracker.size() == 1);
         CHECK(precond.is_registered("head"));
+        REQUIRE(report.not_preconditioned.size() == 2);
+        CHECK(report.not_preconditioned[0].name == "grouped");
+        CHECK(report.not_preconditioned[0].reason == "matched by options.skip_layers");
     }
+}
+
+namespace {
+
+/// One layer's (input, output gradient) applications and gradients, copied, as plain views
+/// through a preconditioner that accumulates one pass per application.
+std::vector<double> factor_values(const kfac::KFAC<>& p, const std::string& name) {
+    const auto& a = p.a_factor(name);
+    const auto& g = p.g_factor(name);
+    std::vector<double> v(a.data(), a.data() + a.size());
+    v.insert(v.end(), g.data(), g.data() + g.size());
+    return v;
+}
+
+}  // namespace
+
+TEST_CASE("a module applied twice in one forward pass contributes both applications", "[torch][applications]") {
+    // Before: only the application whose gradient arrived last was folded in.
+    torch::manual_seed(13);
+    auto fc = nn::Linear(4, 4);
+    kfac::options opts;
+    opts.damping = 0.01;
+    opts.threads = 1;
+    kfac::torch::tracker<float> tracker;
+    kfac::KFAC<> through_torch(opts);
+    through_torch.register_layer("fc", tracker.track("fc", fc));
+
+    const auto x = torch::randn({5, 4});
+    auto y1 = fc(x);
+    y1.retain_grad();
+    const auto h = torch::tanh(y1);
+    auto y2 = fc(h);
+    y2.retain_grad();
+    y2.square().sum().backward();
+    CHECK(tracker.layer("fc").applications() == 2);
+
+    // The definition: the mean of the two applications' statistics, which two accumulated
+    // passes of plain views give.
+    kfac::options acc = opts;
+    acc.accumulation_steps = 2;
+    kfac::KFAC<> through_views(acc);
+    copied_layer<float> copy;
+    copy.view.description = kfac::linear_description(4, 4, true);
+    through_views.register_layer("fc", copy.view);
+    copy.set_gradients(fc->weight, fc->bias);
+    copy.set_statistics(x, y1.grad());
+    through_views.accumulate();
+    copy.set_statistics(h, y2.grad());
+    through_views.step();
+
+    through_torch.step();
+    CHECK(tracker.layer("fc").applications() == 0);
+    // The same numbers summed in another order (the tracker holds the applications in the
+    // order their gradients arrived): a few ulps of the factors, amplified by the damped
+    // solve's condition (≤ 10² with γ = 0.01) as in the first test: 2¹⁰·ε bounds it.
+    const double tol = 1024.0 * static_cast<double>(std::numeric_limits<float>::epsilon());
+    const auto ours = factor_values(through_torch, "fc"), reference = factor_values(through_views, "fc");
+    REQUIRE(ours.size() == reference.size());
+    double worst = 0.0, scale = 0.0;
+    for (std::size_t i = 0; i < ours.size(); ++i) {
+        worst = std::max(worst, std::abs(ours[i] - reference[i]));
+        scale = std::max(scale, std::abs(reference[i]));
+    }
+    CHECK(worst <= tol * scale);
+    CHECK(rel_err<float>(fc->weight.grad(), copy.grad_weight) <= tol);
+    CHECK(rel_err<float>(fc->bias.grad(), copy.grad_bias) <= tol);
+}
+
+TEST_CASE("a module not called in a step keeps its factors and, without a gradient, its gradient", "[torch][applications]") {
+    // Before: the branch's previous pass was folded into its factors again at every step.
+    torch::manual_seed(17);
+    auto trunk = nn::Linear(4, 3);
+    auto branch = nn::Linear(3, 3);
+    kfac::options opts;
+    opts.damping = 0.01;
+    opts.threads = 1;
+    kfac::torch::tracker<float> tracker;
+    kfac::KFAC<> precond(opts);
+    precond.register_layer("trunk", tracker.track("trunk", trunk));
+    precond.register_layer("branch", tracker.track("branch", branch));
+    auto loss = [&](bool take_branch) {
+        const auto x = torch::randn({6, 4});
+        return (take_branch ? branch(trunk(x)) : trunk(x)).square().sum();
+    };
+
+    loss(true).backward();
+    precond.step();
+    const auto branch_a = factor_values(precond, "branch");
+    const auto trunk_a = factor_values(precond, "trunk");
+
+    // Step 1: the branch is not taken; its gradient is zero (zero_grad keeps the buffers).
+    trunk->zero_grad();
+    branch->zero_grad();
+    loss(false).backward();
+    precond.step();
+    CHECK(factor_values(precond, "branch") == branch_a);  // no data, no decay
+    CHECK(factor_values(precond, "trunk") != trunk_a);
+    CHECK(branch->weight.grad().abs().max().item<float>() == 0.0f);
+
+    // Step 2: gradients set to none (LibTorch 2's default): the branch has none, and keeps none.
+    trunk->zero_grad(/*set_to_none=*/true);
+    branch->zero_grad(/*set_to_none=*/true);
+    loss(false).backward();
+    REQUIRE_FALSE(branch->weight.grad().defined());
+    const auto trunk_gradient = trunk->weight.grad().clone();
+    precond.step();
+    CHECK_FALSE(branch->weight.grad().defined());
+    CHECK_FALSE(torch::equal(trunk->weight.grad(), trunk_gradient));  // preconditioned
+    CHECK(factor_values(precond, "branch") == branch_a);
+    CHECK(precond.steps() == 3);
+}
+
+TEST_CASE("frozen layers are left out, and a frozen layer is not tracked", "[torch][registration]") {
+    // Before: the frozen layer was registered, and step() failed with a message about threads
+    // and grad mode.
+    torch::manual_seed(19);
+    struct model_impl : nn::Module {
+        nn::Linear backbone{nullptr}, head{nullptr};
+        model_impl() {
+            backbone = register_module("backbone", nn::Linear(4, 3));
+            head = register_module("head", nn::Linear(3, 2));
+        }
+        torch::Tensor forward(const torch::Tensor& x) { return head(torch::relu(backbone(x))); }
+    };
+    auto model = std::make_shared<model_impl>();
+    for (auto& p : model->backbone->parameters()) p.set_requires_grad(false);
+    kfac::torch::tracker<float> tracker;
+    kfac::KFAC<> precond;
+    const auto report = kfac::torch::register_modules(precond, tracker, model);
+    CHECK(report.registered == std::vector<std::string>{"head"});
+    REQUIRE(report.not_preconditioned.size() == 1);
+    CHECK(report.not_preconditioned[0].name == "backbone");
+    CHECK(report.not_preconditioned[0].module == "torch::nn::Linear");
+    CHECK_THAT(report.not_preconditioned[0].reason, Catch::Contains("requires_grad = false"));
+    CHECK_THAT(report.summary(), Catch::Contains("K-FAC preconditions 1 layer;") && Catch::Contains("backbone"));
+    model->forward(torch::randn({5, 4})).square().sum().backward();
+    CHECK_NOTHROW(precond.step());
+
+    kfac::torch::tracker<float> other;
+    CHECK_THROWS_WITH(other.track("backbone", model->backbone),
+                      Catch::Contains("layer 'backbone'") && Catch::Contains("requires_grad = false"));
+    CHECK(other.size() == 0);
+}
+
+TEST_CASE("register_modules registers all layers or none, and reports what it leaves out", "[torch][registration]") {
+    // Before: a failure half-way left the tracker half-filled, and a retry with skip_layers
+    // failed with "already tracked"; a grouped convolution failed the registration.
+    torch::manual_seed(23);
+    struct model_impl : nn::Module {
+        nn::Conv2d stem{nullptr}, grouped{nullptr}, same{nullptr};
+        nn::BatchNorm2d bn{nullptr};
+        nn::Linear head{nullptr};
+        model_impl() {
+            stem = register_module("stem", nn::Conv2d(nn::Conv2dOptions(1, 4, 3).padding(1)));
+            bn = register_module("bn", nn::BatchNorm2d(4));
+            grouped = register_module("grouped", nn::Conv2d(nn::Conv2dOptions(4, 4, 3).padding(1).groups(2)));
+            same = register_module("same", nn::Conv2d(nn::Conv2dOptions(4, 4, 2).padding(torch::kSame)));
+            head = register_module("head", nn::Linear(4, 2));
+        }
+        torch::Tensor forward(torch::Tensor x) {
+            x = torch::relu(bn(stem(x)));
+            x = torch::relu(grouped(x));
+            return head(x.mean({2, 3}));
+        }
+    };
+    auto model = std::make_shared<model_impl>();
+    kfac::torch::tracker<float> tracker;
+    kfac::KFAC<> first;
+    CHECK_THROWS_WITH(kfac::torch::register_modules(first, tracker, model),
+                      Catch::Contains("layer 'same'") && Catch::Contains("unevenly"));
+    CHECK(tracker.size() == 0);
+    CHECK(first.layer_count() == 0);
+
+    kfac::options opts;
+    opts.skip_layers = {"^same$"};
+    kfac::KFAC<> precond(opts);
+    const auto report = kfac::torch::register_modules(precond, tracker, model);
+    CHECK(report.registered == std::vector<std::string>{"stem", "head"});
+    CHECK(tracker.size() == 2);
+    REQUIRE(report.not_preconditioned.size() == 3);
+    CHECK(report.not_preconditioned[0].name == "bn");
+    CHECK(report.not_preconditioned[0].module == "torch::nn::BatchNorm2d");
+    CHECK(report.not_preconditioned[1].name == "grouped");
+    CHECK_THAT(report.not_preconditioned[1].reason, Catch::Contains("groups = 2"));
+    CHECK(report.not_preconditioned[2].name == "same");
+    CHECK_THAT(report.summary(), Catch::Contains("K-FAC preconditions 2 layers;") &&
+                                     Catch::Contains("torch::nn::BatchNorm2d (no K-FAC block for this module type): bn;") &&
+                                     Catch::Contains("(matched by options.skip_layers): same"));
+    model->forward(torch::randn({3, 1, 6, 6})).square().sum().backward();
+    CHECK_NOTHROW(precond.step());
+
+    SECTION("a name the preconditioner has already: nothing is tracked") {
+        kfac::torch::tracker<float> again;
+        kfac::options skip_same = opts;
+        kfac::KFAC<> p(skip_same);
+        auto other = nn::Linear(2, 2);
+        p.register_layer("head", again.track("elsewhere", other));
+        CHECK_THROWS_WITH(kfac::torch::register_modules(p, again, model), Catch::Contains("'head' is already registered"));
+        CHECK(again.size() == 1);
+        CHECK(p.layer_count() == 1);
+    }
+}
+
+TEST_CASE("a functional call reusing a module's weight with other options names the cause", "[torch][errors]") {
+    // Before: a shape error about the output gradients, without the cause.
+    torch::manual_seed(29);
+    auto conv = nn::Conv2d(nn::Conv2dOptions(2, 3, 3).padding(1));
+    kfac::torch::tracker<float> tracker;
+    kfac::KFAC<> precond;
+    precond.register_layer("conv", tracker.track("conv", conv));
+    const auto x = torch::randn({2, 2, 8, 8});
+    F::conv2d(x, conv->weight, F::Conv2dFuncOptions().bias(conv->bias).stride(2)).sum().backward();
+    CHECK_THROWS_WITH(precond.step(), Catch::Contains("layer 'conv' (torch::nn::Conv2d)") &&
+                                          Catch::Contains("stride [2, 2], padding [0, 0], dilation [1, 1], groups 1") &&
+                                          Catch::Contains("give stride [1, 1], padding [1, 1]") &&
+                                          Catch::Contains("functional call"));
+    CHECK(precond.steps() == 0);
+    tracker.layer("conv").end_pass();
+
+    // The module's own options through a functional call are the module's computation.
+    conv->zero_grad();
+    F::conv2d(x, conv->weight, F::Conv2dFuncOptions().bias(conv->bias).padding(1)).sum().backward();
+    CHECK_NOTHROW(precond.step());
+
+    // padding 'same' reaches the convolution as a string, and is the module's padding.
+    auto same = nn::Conv2d(nn::Conv2dOptions(2, 3, 5).padding(torch::kSame).dilation(2));
+    kfac::KFAC<> q;
+    q.register_layer("same", tracker.track("same", same));
+    same(x).sum().backward();
+    CHECK_NOTHROW(q.step());
+}
+
+TEST_CASE("CUDA tensors give device views, which a host backend refuses by name", "[torch][cuda]") {
+    // Before: any tensor not on the CPU was refused, although kfac has a CUDA backend.
+    kfac::torch::detail::layer_state s;
+    s.name = "fc";
+    s.type = "Linear";
+    using kfac::torch::detail::memory_space_of;
+    CHECK(memory_space_of(s, "x", c10::Device(c10::kCUDA, 0)) == kfac::memory_space::device);
+    CHECK(memory_space_of(s, "x", c10::Device(c10::kCPU)) == kfac::memory_space::host);
+    CHECK_THROWS_WITH(memory_space_of(s, "the weight", c10::Device(c10::kMeta)),
+                      Catch::Contains("layer 'fc'") && Catch::Contains("CUDA tensors (kfac::backend::cuda)"));
+
+    // A tensor that says it is on a CUDA device (its metadata only: no kernel runs on it, so
+    // this works without CUDA) as the weight's gradient: the view is a device view, which the
+    // CPU backend refuses, naming the layer and the backend that reads it.
+    auto fc = nn::Linear(3, 2);
+    kfac::torch::tracker<float> tracker;
+    kfac::KFAC<> precond;
+    auto& layer = tracker.track("fc", fc);
+    precond.register_layer("fc", layer);
+    fc(torch::randn({4, 3})).sum().backward();
+    std::vector<float> storage(6);
+    fc->weight.mutable_grad() = at::for_blob(storage.data(), {2, 3})
+                                    .options(torch::TensorOptions().dtype(torch::kFloat))
+                                    .target_device(c10::Device(c10::kCUDA, 0))
+                                    .make_tensor();
+    REQUIRE(fc->weight.grad().is_cuda());
+    const auto view = layer.weight_gradient_view();
+    CHECK(view.space == kfac::memory_space::device);
+    CHECK(view.data == storage.data());
+    CHECK_THROWS_WITH(precond.step(), Catch::Contains("layer 'fc'") && Catch::Contains("weight gradient") &&
+                                          Catch::Contains("use kfac::backend::cuda"));
+    CHECK(precond.steps() == 0);
 }

@@ -300,6 +300,7 @@ struct checkpoint_io {
         }
         p.steps_ = s.step;
         p.passes_ = 0;
+        p.applied_in_step_ = false;
         p.health_ = s.health;
         p.last_kl_scale_ = 1.0;
         p.second_order_damping_ = s.second_order_damping;

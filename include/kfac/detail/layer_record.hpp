@@ -8,6 +8,7 @@
 /// * layer_scratch: buffers reused from step to step.
 /// Plus this rank's role in the layer's work (kfac/assignment/distribution_plan.hpp).
 
+#include <cstdint>
 #include <string>
 
 #include "kfac/assignment/distribution_plan.hpp"
@@ -16,16 +17,27 @@
 
 namespace kfac::detail {
 
-/// The host's layer: type-erased access to the views its layer_traits give.
+/// The host's layer: type-erased access to the views its layer_traits give. A layer whose
+/// traits have the single-view form reports one application per pass.
 template <class Scalar>
 struct layer_binding {
     std::string name;
     layer_description description;
     void* layer = nullptr;
-    tensor_view<const Scalar> (*activations)(const void*) = nullptr;
-    tensor_view<const Scalar> (*output_gradients)(const void*) = nullptr;
+    std::int64_t (*applications)(const void*) = nullptr;
+    tensor_view<const Scalar> (*activations)(const void*, std::int64_t) = nullptr;
+    tensor_view<const Scalar> (*output_gradients)(const void*, std::int64_t) = nullptr;
     tensor_view<Scalar> (*weight_gradient)(void*) = nullptr;
     tensor_view<Scalar> (*bias_gradient)(void*) = nullptr;
+    bool (*has_gradient)(const void*) = nullptr;  ///< null: always has one
+    void (*end_pass)(void*) = nullptr;            ///< null: nothing to tell the host
+
+    [[nodiscard]] std::int64_t applications_now() const { return applications(layer); }
+    [[nodiscard]] tensor_view<const Scalar> activations_of(std::int64_t i) const { return activations(layer, i); }
+    [[nodiscard]] tensor_view<const Scalar> output_gradients_of(std::int64_t i) const {
+        return output_gradients(layer, i);
+    }
+    [[nodiscard]] bool gradient_present() const { return has_gradient == nullptr || has_gradient(layer); }
 };
 
 /// What K-FAC knows of one layer.
@@ -40,6 +52,9 @@ struct layer_state {
     matrix a_sum, g_sum;
     scalar captured_rows = 0;  ///< rows of the passes accumulate() folded in
     scalar pass_rows = 0;      ///< rows of the pass capture_pass() folded in last
+    /// Applications (calls of the layer) folded in by accumulate(), and by the last capture.
+    std::int64_t captured_applications = 0;
+    std::int64_t pass_applications = 0;
     /// Second-order data in force, on the ranks whose role holds it.
     typename Method::layer_data second{};
     bool has_second = false;
@@ -53,6 +68,7 @@ struct layer_scratch {
     typename Method::workspace method_ws{};
     matrix gamma, preconditioned;  ///< Γᵀ and Pᵀ (A_dim × G_dim), see Backend::load_gradient
     bool usable = true;            ///< false: this step's gradient is zeroed
+    bool active = true;            ///< false: no gradient this step (the host left it alone)
 };
 
 template <class Backend, class Method>

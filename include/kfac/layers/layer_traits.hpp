@@ -26,8 +26,37 @@
 /// activations() and output_gradients() are read only on factor-update steps (by
 /// preconditioner::accumulate() and step()); the gradients on every step().
 /// The views must stay valid until the call that reads them returns.
+///
+/// ## Optional members
+///
+/// A host that sees each call of a layer (a framework with hooks, say) can describe a pass
+/// more precisely with these; the preconditioner uses each one it finds:
+///
+/// ```
+///     // How many times the layer was applied in the pass being folded in: 0 when it was not
+///     // called (a branch not taken), more than 1 when one layer object is applied several
+///     // times in one forward pass (shared weights). With it, these replace the two
+///     // single-view members above (which may then be left out):
+///     static std::int64_t applications(const MyLayer&);
+///     static kfac::tensor_view<const scalar_type> activations(const MyLayer&, std::int64_t i);
+///     static kfac::tensor_view<const scalar_type> output_gradients(const MyLayer&, std::int64_t i);
+///     // Whether the layer took part in this step's loss: false leaves its gradient buffers
+///     // alone (they are not read; weight_gradient() may then return an empty view).
+///     static bool has_gradient(const MyLayer&);
+///     // Called once the preconditioner is done with the current pass: at the end of every
+///     // successful accumulate() and step(), factor-update step or not. An adapter that
+///     // collects applications forgets them here, so that the next pass starts empty.
+///     static void end_pass(MyLayer&);
+/// ```
+///
+/// The batch statistic of a step is the mean over every application of every pass of the
+/// step (KAISA's and kfac-pytorch's rule for a module called several times: each call's
+/// statistic is summed and the sum divided by the count), and a layer applied in no pass of a
+/// factor-update step keeps its factors unchanged, without decay (kfac-pytorch skips a
+/// module whose hooks did not fire).
 
 #include <concepts>
+#include <cstdint>
 
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/tensor_view.hpp"
@@ -62,6 +91,31 @@ concept traits_have_output_gradients = traits_have_scalar_type<L> && requires(co
     } -> std::convertible_to<tensor_view<const typename layer_traits<L>::scalar_type>>;
 };
 
+/// The optional per-application form (see the file comment).
+template <class L>
+concept traits_have_applications = traits_have_scalar_type<L> && requires(const L& l, std::int64_t i) {
+    { layer_traits<L>::applications(l) } -> std::convertible_to<std::int64_t>;
+    {
+        layer_traits<L>::activations(l, i)
+    } -> std::convertible_to<tensor_view<const typename layer_traits<L>::scalar_type>>;
+    {
+        layer_traits<L>::output_gradients(l, i)
+    } -> std::convertible_to<tensor_view<const typename layer_traits<L>::scalar_type>>;
+};
+
+/// Either form of the statistics' views.
+template <class L>
+concept traits_have_statistics =
+    (traits_have_activations<L> && traits_have_output_gradients<L>) || traits_have_applications<L>;
+
+template <class L>
+concept traits_have_gradient_presence = requires(const L& l) {
+    { layer_traits<L>::has_gradient(l) } -> std::convertible_to<bool>;
+};
+
+template <class L>
+concept traits_have_end_pass = requires(L& l) { layer_traits<L>::end_pass(l); };
+
 template <class L>
 concept traits_have_weight_gradient = traits_have_scalar_type<L> && requires(L& l) {
     {
@@ -82,8 +136,8 @@ concept traits_have_bias_gradient = traits_have_scalar_type<L> && requires(L& l)
 template <class Layer>
 concept layer_adapter =
     detail::traits_have_scalar_type<Layer> && detail::traits_have_describe<Layer> &&
-    detail::traits_have_activations<Layer> && detail::traits_have_output_gradients<Layer> &&
-    detail::traits_have_weight_gradient<Layer> && detail::traits_have_bias_gradient<Layer>;
+    detail::traits_have_statistics<Layer> && detail::traits_have_weight_gradient<Layer> &&
+    detail::traits_have_bias_gradient<Layer>;
 
 template <class Layer>
 inline constexpr bool is_layer_adapter_v = layer_adapter<Layer>;
@@ -99,12 +153,13 @@ consteval bool check_layer_adapter() {
                   "or wrap it in kfac::layer_view.");
     static_assert(traits_have_describe<Layer>,
                   "kfac::layer_traits<Layer> lacks `static layer_description describe(const Layer&)`.");
-    static_assert(traits_have_activations<Layer>,
+    static_assert(traits_have_activations<Layer> || traits_have_applications<Layer>,
                   "kfac::layer_traits<Layer> lacks `static tensor_view<const scalar_type> "
-                  "activations(const Layer&)`.");
-    static_assert(traits_have_output_gradients<Layer>,
+                  "activations(const Layer&)` (or the per-application form: applications(), "
+                  "activations(const Layer&, std::int64_t) and output_gradients(const Layer&, std::int64_t)).");
+    static_assert(traits_have_output_gradients<Layer> || traits_have_applications<Layer>,
                   "kfac::layer_traits<Layer> lacks `static tensor_view<const scalar_type> "
-                  "output_gradients(const Layer&)`.");
+                  "output_gradients(const Layer&)` (or the per-application form).");
     static_assert(traits_have_weight_gradient<Layer>,
                   "kfac::layer_traits<Layer> lacks `static tensor_view<scalar_type> "
                   "weight_gradient(Layer&)`.");

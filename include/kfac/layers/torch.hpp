@@ -9,7 +9,8 @@
 /// ```cpp
 /// kfac::torch::tracker<float> tracker;              // observes forward passes on this thread
 /// kfac::KFAC<> precond(opts);
-/// kfac::torch::register_modules(precond, tracker, model);  // every Linear/Conv2d, by name
+/// const auto report = kfac::torch::register_modules(precond, tracker, model);  // by name
+/// std::cout << report.summary() << '\n';            // what K-FAC took, what it left to SGD
 /// for (...) {
 ///     optimizer.zero_grad();
 ///     auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);  // as written
@@ -36,44 +37,60 @@
 ///   `torch::linear` dispatches) is recognised too.
 ///
 /// The observer keeps that operator's input and registers a hook (`Tensor::register_hook`) on
-/// its output; when the backward pass reaches the hook, the pair (input, dloss/doutput) becomes
-/// the layer's latest pass, which `activations()` and `output_gradients()` hand to K-FAC.
-/// Operators nested inside a recognised one are ignored, so one call is captured once.
-/// (The alternatives need more of the user or of LibTorch's internals: a drop-in module type
-/// means editing every member declaration, and reading the inputs back from the autograd
-/// graph's saved variables means depending on LibTorch's generated backward-node classes.)
-/// Forward passes without gradient (under `torch::NoGradGuard`, or with `requires_grad`
-/// off) are not captured and leave the previous pass in place, so evaluation between steps is
-/// harmless. The weight and bias gradients are views of the parameters' own `.grad()`
-/// buffers, which `step()` overwrites in place.
+/// its output; when the backward pass reaches the hook, the pair (input, dloss/doutput) is one
+/// application of the layer in the current pass. Operators nested inside a recognised one are
+/// ignored, so one call is captured once. (The alternatives need more of the user or of
+/// LibTorch's internals: a drop-in module type means editing every member declaration, and
+/// reading the inputs back from the autograd graph's saved variables means depending on
+/// LibTorch's generated backward-node classes.) The weight and bias gradients are views of the
+/// parameters' own `.grad()` buffers, which `step()` overwrites in place.
+///
+/// ## What a pass is
+///
+/// The applications collected since the preconditioner last finished an accumulate() or step()
+/// form the pass it reads (kfac::layer_traits' per-application form), and it then forgets them:
+/// * a module applied several times in one forward pass (shared weights) contributes every
+///   application: the step's statistic is the mean of the applications' statistics, as in
+///   KAISA and kfac-pytorch, which sum each call's statistic and divide by the count;
+/// * a module not called in a step (a branch not taken) contributes nothing, and its factors
+///   are left as they are, without decay, as kfac-pytorch leaves a module whose hooks did not
+///   fire; if it has no gradient either (`.grad()` undefined), its gradient is left alone;
+/// * only forward passes in training mode (`module->is_training()`) and with gradients enabled
+///   are captured: evaluation (`model->eval()`, `torch::NoGradGuard`) between steps is
+///   harmless;
+/// * a frozen layer (weight with `requires_grad` false) has nothing to precondition:
+///   register_modules leaves it out (and says so in its report).
 ///
 /// Rules that follow from the mechanism:
 /// * forward must run on the thread that created the tracker (the observer is thread-local;
-///   autograd's CPU backward runs on the same thread);
+///   the backward hooks may run on autograd's threads);
 /// * the tracker must outlive the preconditioner's use of its layers, and be destroyed on the
 ///   thread that created it (elsewhere its observer stays installed, inert, until that thread
 ///   ends);
 /// * while a tracker is alive every operator on its thread pays the observer's cost (the
-///   arguments are boxed and the results kept, about a microsecond per operator: a training
-///   step of a three-layer CNN at batch 32 went from 0.44 to 0.56 ms on one core);
-/// * a module applied several times in one forward pass contributes the pair of one
-///   application (the last whose gradient arrives), not a sum over applications;
-/// * the model stays on the CPU in the tracker's dtype (tracker<float> for kFloat, tracker<double>
-///   for kDouble): anything else is a kfac::error naming the layer;
+///   arguments are boxed and the results kept, about a microsecond per operator);
+/// * the parameters are CPU or CUDA tensors of the tracker's dtype (tracker<float> for kFloat,
+///   tracker<double> for kDouble), dense and contiguous; views of CUDA tensors are marked
+///   `memory_space::device`, for `kfac::backend::cuda` (a host backend rejects them with an
+///   error naming the layer); anything else is a kfac::error naming the layer;
+/// * a functional call that reuses a module's weight (`F::conv2d(x, conv->weight, ...)`) is an
+///   application of that module: with other convolution options than the module's it is an
+///   error at step() naming both (K-FAC describes the layer by the module's options);
 /// * the captured tensors are references, not copies: do not modify a batch in place between
 ///   its forward pass and step().
 ///
 /// Conv2d geometry is read from the module's options. Zero padding is described as padding;
 /// with a `reflect`, `replicate` or `circular` padding mode LibTorch pads the input itself
 /// before an unpadded convolution, so the factors are built from that padded input (padding 0
-/// in the description), the patches the convolution really multiplies. `groups` ≠ 1 is
-/// rejected by the preconditioner (skip such layers with options.skip_layers).
+/// in the description), the patches the convolution really multiplies. Conv2d with `groups` ≠ 1
+/// is not preconditioned: register_modules leaves it to the host's optimizer and reports it.
 
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <regex>
 #include <string>
 #include <type_traits>
@@ -87,6 +104,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "kfac/config.hpp"
+#include "kfac/detail/layer_checks.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/layer_traits.hpp"
 #include "kfac/layers/tensor_view.hpp"
@@ -100,10 +118,11 @@ class tracked_layer;
 namespace detail {
 
 /// One application of a module: its input and the gradient of the loss w.r.t. its output,
-/// both contiguous.
+/// both contiguous; `problem` is set when the application cannot be used (said at step()).
 struct pass {
     at::Tensor input;
     at::Tensor grad_output;
+    std::string problem;
 };
 
 /// What the tracker knows of one module.
@@ -116,14 +135,36 @@ struct layer_state {
     at::Tensor* bias = nullptr;
     at::Tensor transposed;  // weight.t() seen in forward, awaiting its addmm/matmul/mm
 
-    mutable std::mutex mutex;            // guards latest (written by backward hooks)
-    std::shared_ptr<const pass> latest;  // last application whose gradient arrived
-    std::int64_t completed = 0;          // number of such passes
+    mutable std::mutex mutex;  // guards what the backward hooks write
+    std::vector<std::shared_ptr<const pass>> applications;  // of the current pass
+    std::shared_ptr<const pass> latest;                      // last application whose gradient arrived
+    std::int64_t completed = 0;                              // number of such applications
 
     [[nodiscard]] std::string who() const { return "layer '" + name + "' (torch::nn::" + type + ")"; }
     [[nodiscard]] std::shared_ptr<const pass> latest_pass() const {
         std::lock_guard<std::mutex> lock(mutex);
         return latest;
+    }
+    [[nodiscard]] std::shared_ptr<const pass> application(std::int64_t i) const {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (i < 0 || static_cast<std::size_t>(i) >= applications.size())
+            throw error("torch adapter: " + who() + ": application " + std::to_string(i) + " of a pass with " +
+                        std::to_string(applications.size()));
+        return applications[static_cast<std::size_t>(i)];
+    }
+    [[nodiscard]] std::int64_t application_count() const {
+        std::lock_guard<std::mutex> lock(mutex);
+        return static_cast<std::int64_t>(applications.size());
+    }
+    void add(std::shared_ptr<const pass> p) {
+        std::lock_guard<std::mutex> lock(mutex);
+        applications.push_back(p);
+        latest = std::move(p);
+        ++completed;
+    }
+    void forget_applications() {
+        std::lock_guard<std::mutex> lock(mutex);
+        applications.clear();
     }
 };
 
@@ -187,6 +228,7 @@ struct observed_call : at::ObserverContext {
     std::shared_ptr<layer_state> layer;
     bool transpose = false;  // an aten::t of the weight, not the layer's product
     at::Tensor input;
+    std::string problem;
 };
 
 inline const at::TensorImpl* tensor_arg(c10::ArrayRef<const c10::IValue> args, std::size_t i) {
@@ -208,14 +250,15 @@ inline operand_positions positions(op_kind k) noexcept {
     }
 }
 
-/// The tracked layer whose weight (or transposed weight) `key` is, for an operator of `kind`.
+/// The tracked layer, in training mode, whose weight (or transposed weight) `key` is, for an
+/// operator of `kind`.
 inline std::shared_ptr<layer_state> match(const thread_observer& obs, op_kind kind, const at::TensorImpl* key) {
     const bool transposed = positions(kind).transposed;
     for (const auto& weak : obs.trackers) {
         const auto core = weak.lock();
         if (!core) continue;
         for (const auto& l : core->layers) {
-            if (!l->weight->defined() || !l->weight->requires_grad()) continue;
+            if (!l->weight->defined() || !l->weight->requires_grad() || !l->module->is_training()) continue;
             const bool linear = l->description.kind == layer_kind::linear;
             if (kind == op_kind::transpose || kind == op_kind::linear) {
                 if (linear && key == l->weight->unsafeGetTensorImpl()) return l;
@@ -227,6 +270,60 @@ inline std::shared_ptr<layer_state> match(const thread_observer& obs, op_kind ki
         }
     }
     return nullptr;
+}
+
+/// "[2, 2]".
+inline std::string pair_text(const std::array<std::int64_t, 2>& p) { return kfac::detail::shape_text(p); }
+
+/// An aten::conv2d call's options, as its arguments give them: (input, weight, bias, stride,
+/// padding, dilation, groups), padding a list or, from `padding='same'`/`'valid'`, a string.
+struct conv_call {
+    std::array<std::int64_t, 2> stride{1, 1}, padding{0, 0}, dilation{1, 1};
+    std::int64_t groups = 1;
+};
+
+inline std::array<std::int64_t, 2> pair_arg(const c10::IValue& v, std::array<std::int64_t, 2> fallback) {
+    if (!v.isIntList()) return fallback;
+    const auto list = v.toIntVector();
+    if (list.size() == 1) return {list[0], list[0]};
+    if (list.size() >= 2) return {list[0], list[1]};
+    return fallback;
+}
+
+inline conv_call read_conv_call(c10::ArrayRef<const c10::IValue> args, const conv2d_geometry& module) {
+    conv_call c;
+    if (args.size() > 3) c.stride = pair_arg(args[3], c.stride);
+    if (args.size() > 5) c.dilation = pair_arg(args[5], c.dilation);
+    if (args.size() > 6 && args[6].isInt()) c.groups = args[6].toInt();
+    if (args.size() > 4) {
+        if (args[4].isString()) {
+            // 'same' pads dilation·(kernel − 1) in total per axis (the module's description
+            // holds the half, and rejects an uneven split); 'valid' pads nothing.
+            if (args[4].toStringRef() == "same")
+                for (std::size_t i = 0; i < 2; ++i) c.padding[i] = c.dilation[i] * (module.kernel[i] - 1) / 2;
+        } else {
+            c.padding = pair_arg(args[4], c.padding);
+        }
+    }
+    return c;
+}
+
+/// Empty when the call convolves with the geometry the layer is described by; else why not.
+inline std::string conv_call_mismatch(const layer_state& l, c10::ArrayRef<const c10::IValue> args) {
+    const conv2d_geometry& g = l.description.conv;
+    const conv_call c = read_conv_call(args, g);
+    if (c.stride == g.stride && c.padding == g.padding && c.dilation == g.dilation && c.groups == g.groups) return {};
+    auto text = [](const std::array<std::int64_t, 2>& s, const std::array<std::int64_t, 2>& p,
+                   const std::array<std::int64_t, 2>& d, std::int64_t groups) {
+        return "stride " + pair_text(s) + ", padding " + pair_text(p) + ", dilation " + pair_text(d) + ", groups " +
+               std::to_string(groups);
+    };
+    return "torch adapter: " + l.who() + ": its weight was used by a convolution with " +
+           text(c.stride, c.padding, c.dilation, c.groups) + ", but the module's options, by which K-FAC describes "
+           "the layer, give " + text(g.stride, g.padding, g.dilation, g.groups) +
+           ": a functional call (F::conv2d, torch::conv2d) reused the module's weight with other options. Call "
+           "the module itself, give that call a Conv2d module of its own, or leave the layer out with "
+           "options.skip_layers";
 }
 
 inline std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFunction& fn) {
@@ -246,6 +343,7 @@ inline std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFu
     } else {
         if (where.transposed) layer->transposed.reset();
         call->input = args[where.input].toTensor();
+        if (kind == op_kind::conv2d) call->problem = conv_call_mismatch(*layer, args);
         ++obs.depth;  // operators nested in this one are not looked at
     }
     call->layer = std::move(layer);
@@ -264,16 +362,14 @@ inline void on_operator_end(const at::RecordFunction& fn, at::ObserverContext* c
     --observer.depth;
     if (out == nullptr || !out->defined() || !out->requires_grad()) return;
     std::weak_ptr<layer_state> layer = call->layer;
-    at::Tensor input = std::move(call->input);
-    out->register_hook([layer, input](const at::Tensor& grad) {
+    out->register_hook([layer, input = std::move(call->input), problem = std::move(call->problem)](const at::Tensor& grad) {
         const auto l = layer.lock();
         if (!l || !grad.defined()) return;
         auto p = std::make_shared<pass>();
         p->input = input.detach().contiguous();
         p->grad_output = grad.detach().contiguous();
-        std::lock_guard<std::mutex> lock(l->mutex);
-        l->latest = std::move(p);
-        ++l->completed;
+        p->problem = problem;
+        l->add(std::move(p));
     });
 }
 
@@ -287,13 +383,22 @@ const char* scalar_name() noexcept {
     return std::is_same_v<Scalar, float> ? "float (torch::kFloat)" : "double (torch::kDouble)";
 }
 
-/// Throws a kfac::error naming the layer unless `t` is a dense, C-contiguous CPU tensor of
-/// Scalar.
+/// Where the elements of a tensor on `device` live, for its view: CUDA memory is device
+/// memory (for kfac::backend::cuda), CPU memory host memory.
+/// @throws kfac::error naming the layer for any other device.
+inline memory_space memory_space_of(const layer_state& l, const char* what, const c10::Device& device) {
+    if (device.is_cpu()) return memory_space::host;
+    if (device.is_cuda()) return memory_space::device;
+    throw error("torch adapter: " + l.who() + ": " + what + " is on device " + device.str() +
+                "; kfac reads CPU tensors (every backend) and CUDA tensors (kfac::backend::cuda): move the "
+                "model to the CPU or to a CUDA device");
+}
+
+/// Throws a kfac::error naming the layer unless `t` is a dense, C-contiguous CPU or CUDA
+/// tensor of Scalar.
 template <class Scalar>
 void check_tensor(const layer_state& l, const char* what, const at::Tensor& t) {
-    if (!t.device().is_cpu())
-        throw error("torch adapter: " + l.who() + ": " + what + " is on device " + t.device().str() +
-                    "; kfac's CPU backend reads and writes host memory: keep the model on the CPU");
+    (void)memory_space_of(l, what, t.device());
     if (t.layout() != c10::kStrided)
         throw error("torch adapter: " + l.who() + ": " + what + " is not a dense (strided) tensor");
     if (t.scalar_type() != scalar_type_of<Scalar>())
@@ -301,7 +406,7 @@ void check_tensor(const layer_state& l, const char* what, const at::Tensor& t) {
                     std::string(c10::toString(t.scalar_type())) + " but the tracker's scalar type is " +
                     scalar_name<Scalar>() + "; use kfac::torch::tracker<" +
                     (std::is_same_v<Scalar, float> ? "double" : "float") +
-                    "> with the matching kfac::backend::cpu_eigen, or convert the model");
+                    "> with a backend of that scalar type (cpu_eigen, cuda), or convert the model");
     if (!t.is_contiguous())
         throw error("torch adapter: " + l.who() + ": " + what + " is not contiguous (sizes " +
                     c10::str(t.sizes()) + ", strides " + c10::str(t.strides()) +
@@ -310,18 +415,24 @@ void check_tensor(const layer_state& l, const char* what, const at::Tensor& t) {
 }
 
 template <class T>
-tensor_view<T> view_of(const at::Tensor& t) {
-    return tensor_view<T>::from_extents(static_cast<T*>(t.data_ptr()), t.sizes());
+tensor_view<T> view_of(const layer_state& l, const char* what, const at::Tensor& t) {
+    return tensor_view<T>::from_extents(static_cast<T*>(t.data_ptr()), t.sizes(), memory_space_of(l, what, t.device()));
 }
 
 template <class Scalar>
 tensor_view<Scalar> gradient_view(const layer_state& l, const at::Tensor& param, const char* what) {
+    if (!param.requires_grad())
+        throw error("torch adapter: " + l.who() + ": the " + what + " has requires_grad = false (frozen), so "
+                    "it has no gradient to precondition; leave the layer out (kfac::torch::register_modules "
+                    "leaves frozen layers out) or unfreeze the whole layer");
     const at::Tensor& g = param.grad();
     if (!g.defined())
-        throw error("torch adapter: " + l.who() + ": " + what + ".grad() is undefined; run the "
-                    "backward pass before step() (and keep requires_grad on the parameter)");
-    check_tensor<Scalar>(l, (std::string(what) + ".grad()").c_str(), g);
-    return view_of<Scalar>(g);
+        throw error("torch adapter: " + l.who() + ": " + what + ".grad() is undefined while the layer's other "
+                    "parameter has a gradient; run the backward pass before step() and keep requires_grad on "
+                    "both the weight and the bias");
+    const std::string name = std::string(what) + ".grad()";
+    check_tensor<Scalar>(l, name.c_str(), g);
+    return view_of<Scalar>(l, name.c_str(), g);
 }
 
 inline std::array<std::int64_t, 2> pair_of(const ::torch::ExpandingArray<2>& a) {
@@ -372,6 +483,13 @@ inline bool skipped(const options& opts, const std::string& name, layer_kind kin
     return false;
 }
 
+/// The kind of a module the tracker can take (nullopt for any other module).
+inline std::optional<layer_kind> trackable_kind(const ::torch::nn::Module* m) {
+    if (dynamic_cast<const ::torch::nn::LinearImpl*>(m) != nullptr) return layer_kind::linear;
+    if (dynamic_cast<const ::torch::nn::Conv2dImpl*>(m) != nullptr) return layer_kind::conv2d;
+    return std::nullopt;
+}
+
 }  // namespace detail
 
 /// A tracked `torch::nn::Linear` or `torch::nn::Conv2d`: what the preconditioner registers
@@ -387,35 +505,44 @@ public:
     [[nodiscard]] const layer_description& description() const noexcept { return state_->description; }
     /// The module (a torch::nn::LinearImpl or torch::nn::Conv2dImpl).
     [[nodiscard]] const std::shared_ptr<::torch::nn::Module>& module() const noexcept { return state_->module; }
-    /// Forward/backward passes captured so far.
+    /// Applications (forward calls whose gradient arrived) captured so far, in all passes.
     [[nodiscard]] std::int64_t passes() const {
         std::lock_guard<std::mutex> lock(state_->mutex);
         return state_->completed;
     }
-    /// The input of the latest captured pass (undefined before the first).
+    /// Applications in the current pass (since the preconditioner last ended a pass).
+    [[nodiscard]] std::int64_t applications() const { return state_->application_count(); }
+    /// The input of the latest captured application (undefined before the first).
     [[nodiscard]] at::Tensor input() const {
         const auto p = state_->latest_pass();
         return p ? p->input : at::Tensor();
     }
-    /// The gradient w.r.t. the output of the latest captured pass (undefined before the first).
+    /// The gradient w.r.t. the output of the latest captured application (undefined before the first).
     [[nodiscard]] at::Tensor grad_output() const {
         const auto p = state_->latest_pass();
         return p ? p->grad_output : at::Tensor();
     }
 
-    /// @throws kfac::error when no pass was captured or the tensors are not CPU tensors of Scalar.
-    [[nodiscard]] tensor_view<const Scalar> activations_view() const {
-        const auto p = captured();
+    /// The input of application `i` of the current pass.
+    /// @throws kfac::error when the application cannot be used (a functional call with other
+    ///         options) or its tensors are not CPU/CUDA tensors of Scalar.
+    [[nodiscard]] tensor_view<const Scalar> activations_view(std::int64_t i) const {
+        const auto p = usable(i);
         detail::check_tensor<Scalar>(*state_, "the captured input", p->input);
-        return detail::view_of<const Scalar>(p->input);
+        return detail::view_of<const Scalar>(*state_, "the captured input", p->input);
     }
-    [[nodiscard]] tensor_view<const Scalar> output_gradients_view() const {
-        const auto p = captured();
+    [[nodiscard]] tensor_view<const Scalar> output_gradients_view(std::int64_t i) const {
+        const auto p = usable(i);
         detail::check_tensor<Scalar>(*state_, "the captured output gradient", p->grad_output);
-        return detail::view_of<const Scalar>(p->grad_output);
+        return detail::view_of<const Scalar>(*state_, "the captured output gradient", p->grad_output);
+    }
+    /// Whether backward gave the layer a gradient (false: not called in this step, with the
+    /// gradients set to none, or never called).
+    [[nodiscard]] bool has_gradient() const {
+        return state_->weight->grad().defined() || (state_->bias->defined() && state_->bias->grad().defined());
     }
     /// The weight's own .grad() buffer. @throws kfac::error if undefined, not contiguous, not
-    /// on the CPU or not of Scalar.
+    /// on the CPU or a CUDA device, or not of Scalar.
     [[nodiscard]] tensor_view<Scalar> weight_gradient_view() const {
         return detail::gradient_view<Scalar>(*state_, *state_->weight, "weight");
     }
@@ -424,18 +551,13 @@ public:
         if (!state_->description.bias) return {};
         return detail::gradient_view<Scalar>(*state_, *state_->bias, "bias");
     }
+    /// Forgets the current pass's applications (the preconditioner calls it when done).
+    void end_pass() { state_->forget_applications(); }
 
 private:
-    std::shared_ptr<const detail::pass> captured() const {
-        auto p = state_->latest_pass();
-        if (!p)
-            throw error("torch adapter: " + state_->who() + ": no forward and backward pass has "
-                        "been captured yet; run forward (with gradients enabled, on the thread that "
-                        "created the kfac::torch::tracker) and backward before step()" +
-                        (at::isRecordFunctionEnabled() ? std::string()
-                                                       : std::string(" (RecordFunction is disabled on this "
-                                                                     "thread, at::enableRecordFunction(false), "
-                                                                     "which stops the capture)")));
+    std::shared_ptr<const detail::pass> usable(std::int64_t i) const {
+        auto p = state_->application(i);
+        if (!p->problem.empty()) throw error(p->problem);
         return p;
     }
 
@@ -443,11 +565,11 @@ private:
 };
 
 /// Observes the forward passes of the current thread and captures, for every module tracked,
-/// the input and output gradient of its latest forward/backward pass (see the file comment).
-/// Create it on the thread that runs forward; it must outlive the preconditioner's use of
-/// its layers (the preconditioner keeps pointers to them). Neither copyable nor movable.
+/// the input and output gradient of each application in the current pass (see the file
+/// comment). Create it on the thread that runs forward; it must outlive the preconditioner's
+/// use of its layers (the preconditioner keeps pointers to them). Neither copyable nor movable.
 ///
-/// @tparam Scalar float (torch::kFloat models, kfac::backend::cpu_eigen<float>) or double.
+/// @tparam Scalar float (torch::kFloat models, a float backend) or double.
 template <class Scalar = float>
 class tracker {
     static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
@@ -484,7 +606,8 @@ public:
     tracker& operator=(const tracker&) = delete;
 
     /// Tracks a Linear module under `name`.
-    /// @throws kfac::error for a duplicate name or module, or a module not of Scalar on the CPU.
+    /// @throws kfac::error for a duplicate name or module, a frozen weight, or a module not of
+    ///         Scalar on the CPU or a CUDA device; nothing is tracked then.
     tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Linear& module) {
         return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
     }
@@ -496,6 +619,24 @@ public:
     /// Tracks a module that is a torch::nn::LinearImpl or torch::nn::Conv2dImpl.
     /// @throws kfac::error for any other module, and as above.
     tracked_layer<Scalar>& track(const std::string& name, const std::shared_ptr<::torch::nn::Module>& module) {
+        auto s = prepare(name, module, {});
+        return *adopt({std::move(s)}).front();
+    }
+
+    /// The layer tracked under `name`. @throws kfac::error if there is none.
+    [[nodiscard]] tracked_layer<Scalar>& layer(const std::string& name) {
+        for (auto& l : layers_)
+            if (l->name() == name) return *l;
+        throw error("torch adapter: no layer named '" + name + "' is tracked");
+    }
+    [[nodiscard]] std::size_t size() const noexcept { return layers_.size(); }
+
+    /// A checked state for `module` under `name`, also checked against `pending` (states
+    /// about to be adopted with it); changes nothing.
+    /// @throws kfac::error as track().
+    [[nodiscard]] std::shared_ptr<detail::layer_state> prepare(
+        const std::string& name, const std::shared_ptr<::torch::nn::Module>& module,
+        const std::vector<std::shared_ptr<detail::layer_state>>& pending) const {
         auto s = std::make_shared<detail::layer_state>();
         s->name = name;
         s->module = module;
@@ -515,74 +656,187 @@ public:
                         (module ? module->name() : std::string("null")) +
                         ") is neither a torch::nn::Linear nor a torch::nn::Conv2d");
         }
-        for (const auto& l : core_->layers) {
-            if (l->name == name)
-                throw error("torch adapter: a layer named '" + name + "' is already tracked");
-            if (l->module == module)
-                throw error("torch adapter: " + s->who() + " is already tracked as '" + l->name + "'");
-        }
+        const std::vector<std::shared_ptr<detail::layer_state>>& tracked = core_->layers;
+        for (const auto* list : {&tracked, &pending})
+            for (const auto& l : *list) {
+                if (l->name == name)
+                    throw error("torch adapter: a layer named '" + name + "' is already tracked");
+                if (l->module == module)
+                    throw error("torch adapter: " + s->who() + " is already tracked as '" + l->name + "'");
+            }
         detail::check_tensor<Scalar>(*s, "weight", *s->weight);
         if (s->bias->defined()) detail::check_tensor<Scalar>(*s, "bias", *s->bias);
-        core_->layers.push_back(s);
-        layers_.push_back(std::make_unique<tracked_layer<Scalar>>(std::move(s)));
-        return *layers_.back();
+        if (!s->weight->requires_grad())
+            throw error("torch adapter: " + s->who() + ": the weight has requires_grad = false (a frozen "
+                        "layer), so there is no gradient to precondition; leave it out "
+                        "(kfac::torch::register_modules does) or set requires_grad(true) before tracking");
+        return s;
     }
 
-    /// The layer tracked under `name`. @throws kfac::error if there is none.
-    [[nodiscard]] tracked_layer<Scalar>& layer(const std::string& name) {
-        for (auto& l : layers_)
-            if (l->name() == name) return *l;
-        throw error("torch adapter: no layer named '" + name + "' is tracked");
+    /// Tracks prepared states, all of them (allocation aside, nothing here can fail).
+    std::vector<tracked_layer<Scalar>*> adopt(std::vector<std::shared_ptr<detail::layer_state>> states) {
+        std::vector<std::unique_ptr<tracked_layer<Scalar>>> made;
+        made.reserve(states.size());
+        for (const auto& s : states) made.push_back(std::make_unique<tracked_layer<Scalar>>(s));
+        core_->layers.reserve(core_->layers.size() + states.size());
+        layers_.reserve(layers_.size() + made.size());
+        std::vector<tracked_layer<Scalar>*> out;
+        out.reserve(made.size());
+        for (std::size_t i = 0; i < made.size(); ++i) {
+            core_->layers.push_back(states[i]);
+            out.push_back(made[i].get());
+            layers_.push_back(std::move(made[i]));
+        }
+        return out;
     }
-    [[nodiscard]] std::size_t size() const noexcept { return layers_.size(); }
+
+    /// Stops tracking the last `count` layers adopted (undoes a failed registration).
+    void drop_last(std::size_t count) noexcept {
+        for (; count > 0 && !layers_.empty(); --count) {
+            core_->layers.pop_back();
+            layers_.pop_back();
+        }
+    }
 
 private:
     std::shared_ptr<detail::tracker_core> core_;
     std::vector<std::unique_ptr<tracked_layer<Scalar>>> layers_;  // stable addresses
 };
 
+/// What register_modules did with each module of the model.
+struct registration {
+    /// A module left to the host's optimizer (or frozen), and why.
+    struct left_out {
+        std::string name;    ///< as named_modules() names it
+        std::string module;  ///< its type, "torch::nn::BatchNorm2d"
+        std::string reason;
+    };
+    std::vector<std::string> registered;  ///< in registration order
+    std::vector<left_out> not_preconditioned;
+
+    [[nodiscard]] std::size_t size() const noexcept { return registered.size(); }
+    /// "K-FAC preconditions 10 layers; not preconditioned (...): torch::nn::BatchNorm2d (no K-FAC
+    /// block for this module type): bn1, layer1.bn1; ...": the modules grouped by type and reason.
+    [[nodiscard]] std::string summary() const {
+        std::string s = "K-FAC preconditions " + std::to_string(registered.size()) +
+                        (registered.size() == 1 ? " layer" : " layers");
+        if (not_preconditioned.empty()) return s + "; every module with parameters is preconditioned";
+        s += "; not preconditioned (their parameters are the host optimizer's alone):";
+        std::vector<bool> done(not_preconditioned.size(), false);
+        for (std::size_t i = 0; i < not_preconditioned.size(); ++i) {
+            if (done[i]) continue;
+            const auto& first = not_preconditioned[i];
+            s += (i ? "; " : " ") + first.module + " (" + first.reason + "): " + first.name;
+            for (std::size_t j = i + 1; j < not_preconditioned.size(); ++j) {
+                const auto& other = not_preconditioned[j];
+                if (done[j] || other.module != first.module || other.reason != first.reason) continue;
+                s += ", " + other.name;
+                done[j] = true;
+            }
+        }
+        return s;
+    }
+};
+
+namespace detail {
+
+/// "torch::nn::BatchNorm2d" for a torch::nn::BatchNorm2dImpl.
+inline std::string module_type(const ::torch::nn::Module& m) {
+    std::string n = m.name();
+    if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n.erase(n.size() - 4);
+    return n;
+}
+
+inline bool has_own_parameters(const ::torch::nn::Module& m) {
+    return !m.named_parameters(/*recurse=*/false).is_empty();
+}
+
+}  // namespace detail
+
 /// Tracks and registers every torch::nn::Linear and torch::nn::Conv2d of `model` (a
-/// std::shared_ptr to a module or a module holder), named as `model->named_modules()` names
-/// them ("conv1", "features.0", ...; `prefix` is prepended). Layers that the preconditioner's
-/// options.skip_layers matches are neither tracked nor registered; other module types are
-/// ignored (their children are visited).
-/// @return the number of layers registered.
+/// std::shared_ptr to a module or a module holder) that K-FAC can precondition, named as
+/// `model->named_modules()` names them ("conv1", "layer1.0.conv1", ...; `prefix` is
+/// prepended). All or nothing: every module is checked before any is tracked or registered,
+/// so after an error the tracker and the preconditioner are as they were. Left out, and
+/// listed in the report with the reason: layers options.skip_layers matches, frozen layers
+/// (weight with requires_grad false), grouped or depthwise Conv2d (groups ≠ 1), and every
+/// other module with parameters of its own (BatchNorm, Embedding, ...), whose parameters
+/// stay the host optimizer's alone.
 /// @throws kfac::error as tracker::track and preconditioner::register_layer do.
 template <class Preconditioner, class Scalar, class Model>
-std::size_t register_modules(Preconditioner& preconditioner, tracker<Scalar>& tracker, const Model& model,
-                             const std::string& prefix = "") {
-    std::size_t count = 0;
+registration register_modules(Preconditioner& preconditioner, tracker<Scalar>& tracker, const Model& model,
+                              const std::string& prefix = "") {
+    registration report;
+    std::vector<std::shared_ptr<detail::layer_state>> states;
     for (const auto& item : model->named_modules(prefix, /*include_self=*/true)) {
         const std::shared_ptr<::torch::nn::Module>& m = item.value();
-        layer_kind kind;
-        if (dynamic_cast<::torch::nn::LinearImpl*>(m.get()) != nullptr)
-            kind = layer_kind::linear;
-        else if (dynamic_cast<::torch::nn::Conv2dImpl*>(m.get()) != nullptr)
-            kind = layer_kind::conv2d;
-        else
-            continue;
         const std::string name = item.key().empty() ? m->name() : item.key();
-        if (detail::skipped(preconditioner.get_options(), name, kind)) continue;
-        if (preconditioner.register_layer(name, tracker.track(name, m))) ++count;
+        const auto kind = detail::trackable_kind(m.get());
+        if (!kind) {
+            if (detail::has_own_parameters(*m))
+                report.not_preconditioned.push_back({name, detail::module_type(*m), "no K-FAC block for this module type"});
+            continue;
+        }
+        auto left_out = [&](std::string reason) {
+            report.not_preconditioned.push_back({name, detail::module_type(*m), std::move(reason)});
+        };
+        if (detail::skipped(preconditioner.get_options(), name, *kind)) {
+            left_out("matched by options.skip_layers");
+            continue;
+        }
+        const auto* conv = dynamic_cast<const ::torch::nn::Conv2dImpl*>(m.get());
+        const auto* linear = dynamic_cast<const ::torch::nn::LinearImpl*>(m.get());
+        const at::Tensor& weight = conv != nullptr ? conv->weight : linear->weight;
+        if (weight.defined() && !weight.requires_grad()) {
+            left_out("frozen: the weight has requires_grad = false");
+            continue;
+        }
+        if (conv != nullptr && conv->options.groups() != 1) {
+            left_out("groups = " + std::to_string(conv->options.groups()) +
+                     ": grouped and depthwise convolutions have no K-FAC block here yet");
+            continue;
+        }
+        auto s = tracker.prepare(name, m, states);
+        kfac::detail::check_description(name, s->description);
+        if (preconditioner.is_registered(name))
+            throw error("torch adapter: layer '" + name + "' is already registered with the preconditioner; "
+                        "register a model once (or give register_modules a prefix)");
+        states.push_back(std::move(s));
     }
-    return count;
+    // Everything checked: the preconditioner takes all layers or none, and the tracker follows.
+    const auto tracked = tracker.adopt(states);
+    std::vector<std::pair<std::string, tracked_layer<Scalar>*>> list;
+    for (auto* l : tracked) list.emplace_back(l->name(), l);
+    try {
+        preconditioner.register_layers(list);
+    } catch (...) {
+        tracker.drop_last(tracked.size());
+        throw;
+    }
+    for (auto* l : tracked) report.registered.push_back(l->name());
+    return report;
 }
 
 }  // namespace kfac::torch
 
 namespace kfac {
 
-/// The adapter of a tracked LibTorch module; the views read the tensors the tracker captured
-/// and the parameters' own .grad() buffers.
+/// The adapter of a tracked LibTorch module, in the per-application form: the views read the
+/// tensors the tracker captured in the current pass and the parameters' own .grad() buffers.
 template <class Scalar>
 struct layer_traits<torch::tracked_layer<Scalar>> {
     using scalar_type = Scalar;
     using layer = torch::tracked_layer<Scalar>;
     static layer_description describe(const layer& l) { return l.description(); }
-    static tensor_view<const Scalar> activations(const layer& l) { return l.activations_view(); }
-    static tensor_view<const Scalar> output_gradients(const layer& l) { return l.output_gradients_view(); }
+    static std::int64_t applications(const layer& l) { return l.applications(); }
+    static tensor_view<const Scalar> activations(const layer& l, std::int64_t i) { return l.activations_view(i); }
+    static tensor_view<const Scalar> output_gradients(const layer& l, std::int64_t i) {
+        return l.output_gradients_view(i);
+    }
+    static bool has_gradient(const layer& l) { return l.has_gradient(); }
     static tensor_view<Scalar> weight_gradient(layer& l) { return l.weight_gradient_view(); }
     static tensor_view<Scalar> bias_gradient(layer& l) { return l.bias_gradient_view(); }
+    static void end_pass(layer& l) { l.end_pass(); }
 };
 
 }  // namespace kfac
