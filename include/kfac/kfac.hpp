@@ -15,6 +15,7 @@
 #include "kfac/config.hpp"
 #include "kfac/diagnostics.hpp"
 #include "kfac/fwd.hpp"
+#include "kfac/layers/any_layer.hpp"
 #include "kfac/layers/im2col.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/layer_traits.hpp"

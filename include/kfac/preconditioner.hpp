@@ -40,6 +40,7 @@
 #include "kfac/fwd.hpp"
 #include "kfac/health.hpp"
 #include "kfac/layer_info.hpp"
+#include "kfac/layers/any_layer.hpp"
 #include "kfac/layers/layer_traits.hpp"
 #include "kfac/options.hpp"
 
@@ -321,6 +322,7 @@ private:
             if (steps_ > 0 || started_)
                 throw error("layer '" + name + "': register_layer() after the first accumulate() "
                             "or step(); register every layer before training starts");
+            const void* object = detail::bind_layer<scalar_type>(layer).layer;
             for (const auto* registered : {&layers_, &pending})
                 for (const auto& l : *registered) {
                     if (l.host.name == name)
@@ -328,7 +330,7 @@ private:
                                     "unique name");
                     // Two registrations of one object would fold its statistics in twice and
                     // precondition its gradient twice.
-                    if (l.host.layer == static_cast<void*>(&layer))
+                    if (l.host.layer == object)
                         throw error("layer '" + name + "': this layer object is already registered as '" +
                                     l.host.name + "'; register each layer object once, under one name");
                 }
@@ -336,22 +338,9 @@ private:
             if (skipped(name, d.kind)) return std::nullopt;
             detail::check_description(name, d);
             layer_record r;
+            r.host = detail::bind_layer<scalar_type>(layer);
             r.host.name = name;
             r.host.description = d;
-            r.host.layer = static_cast<void*>(&layer);
-            bind_statistics<Layer>(r.host);
-            r.host.weight_gradient = [](void* p) {
-                return tensor_view<scalar_type>(traits::weight_gradient(*static_cast<Layer*>(p)));
-            };
-            r.host.bias_gradient = [](void* p) {
-                return tensor_view<scalar_type>(traits::bias_gradient(*static_cast<Layer*>(p)));
-            };
-            if constexpr (detail::traits_have_gradient_presence<Layer>)
-                r.host.has_gradient = [](const void* p) {
-                    return static_cast<bool>(traits::has_gradient(*static_cast<const Layer*>(p)));
-                };
-            if constexpr (detail::traits_have_end_pass<Layer>)
-                r.host.end_pass = [](void* p) { traits::end_pass(*static_cast<Layer*>(p)); };
             const auto a = d.a_dim(), g = d.g_dim();
             r.state.a_factor = Backend::identity(a);
             r.state.g_factor = Backend::identity(g);
@@ -360,32 +349,6 @@ private:
             return r;
         }
         return std::nullopt;
-    }
-
-    /// The binding's statistics views: the per-application form when the traits have it,
-    /// else one application per pass through the single-view members.
-    template <class Layer>
-    static void bind_statistics(detail::layer_binding<scalar_type>& b) {
-        using traits = layer_traits<Layer>;
-        if constexpr (detail::traits_have_applications<Layer>) {
-            b.applications = [](const void* p) {
-                return static_cast<std::int64_t>(traits::applications(*static_cast<const Layer*>(p)));
-            };
-            b.activations = [](const void* p, std::int64_t i) {
-                return tensor_view<const scalar_type>(traits::activations(*static_cast<const Layer*>(p), i));
-            };
-            b.output_gradients = [](const void* p, std::int64_t i) {
-                return tensor_view<const scalar_type>(traits::output_gradients(*static_cast<const Layer*>(p), i));
-            };
-        } else {
-            b.applications = [](const void*) { return std::int64_t{1}; };
-            b.activations = [](const void* p, std::int64_t) {
-                return tensor_view<const scalar_type>(traits::activations(*static_cast<const Layer*>(p)));
-            };
-            b.output_gradients = [](const void* p, std::int64_t) {
-                return tensor_view<const scalar_type>(traits::output_gradients(*static_cast<const Layer*>(p)));
-            };
-        }
     }
 
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const {

@@ -681,3 +681,39 @@ TEST_CASE("CUDA tensors give device views, which a host backend refuses by name"
                                           Catch::Contains("use kfac::backend::cuda"));
     CHECK(precond.steps() == 0);
 }
+
+TEST_CASE("track_modules and any_layer: the seam for a preconditioner in another translation unit", "[torch][any_layer]") {
+    // What a CUDA translation unit receives (tests/torch/torch_cuda_test.cpp): the same
+    // preconditioning as register_modules, here on the CPU.
+    torch::manual_seed(31);
+    small_net a;
+    torch::manual_seed(31);
+    small_net b;  // the same weights
+    kfac::options opts;
+    opts.damping = 0.01;
+    opts.threads = 1;
+    opts.skip_layers = {"\\.conv3$"};
+    kfac::torch::tracker<float> tracker;
+    kfac::KFAC<> direct(opts), through_any(opts);
+    REQUIRE(kfac::torch::register_modules(direct, tracker, a, "a").size() == 4);
+    auto tracked = kfac::torch::track_modules(tracker, b, opts, "b");
+    REQUIRE(tracked.layers.size() == 4);
+    CHECK(tracked.report.registered == std::vector<std::string>{"b.conv1", "b.conv2", "b.fc1", "b.fc2"});
+    REQUIRE(tracked.report.not_preconditioned.size() == 1);
+    CHECK(tracked.report.not_preconditioned[0].name == "b.conv3");
+    std::vector<kfac::any_layer<float>> layers;
+    for (auto* l : tracked.layers) layers.emplace_back(*l);
+    for (std::size_t i = 0; i < layers.size(); ++i) through_any.register_layer(tracked.layers[i]->name(), layers[i]);
+    for (int step = 0; step < 3; ++step) {
+        const auto [x, target] = batch(torch::kFloat);
+        for (auto* net : {&a, &b}) {
+            (*net)->zero_grad();
+            F::cross_entropy((*net)->forward(x), target).backward();
+        }
+        direct.step();
+        through_any.step();
+        CHECK(tracker.layer("b.fc1").applications() == 0);  // end_pass reached the tracked layer
+        CHECK(torch::equal(a->conv1->weight.grad(), b->conv1->weight.grad()));
+        CHECK(torch::equal(a->fc2->weight.grad(), b->fc2->weight.grad()));
+    }
+}

@@ -220,3 +220,33 @@ TEST_CASE("register_layers registers all of a list or none", "[registration]") {
     CHECK(p.is_registered("a"));
     CHECK_FALSE(p.is_registered("skipped"));
 }
+
+TEST_CASE("an any_layer preconditions exactly as the layer it wraps", "[applications][any_layer]") {
+    // Both forms: the per-application test layer and the plain single-view layer_view.
+    applied_layer<double> direct(4, 3, true), wrapped_target(4, 3, true);
+    auto plain = random_linear<double>(8, 3, 2, false, 5), plain_copy = plain;
+    plain_copy.bind();
+    P p(opts()), q(opts());
+    p.register_layer("shared", direct);
+    p.register_layer("plain", plain.view);
+    kfac::any_layer<double> wrapped(wrapped_target), wrapped_plain(plain_copy.view);
+    q.register_layer("shared", wrapped);
+    q.register_layer("plain", wrapped_plain);
+    CHECK(wrapped.description().a_dim() == 5);
+    // The wrapped object is the layer: registering it again, wrapped or not, is refused.
+    CHECK_THROWS_WITH(q.register_layer("again", wrapped_target), Catch::Contains("already registered as 'shared'"));
+    kfac::any_layer<double> wrapped_again(wrapped_target);
+    CHECK_THROWS_WITH(q.register_layer("again", wrapped_again), Catch::Contains("already registered as 'shared'"));
+    for (int step = 0; step < 3; ++step) {
+        for (auto* l : {&direct, &wrapped_target}) {
+            l->apply(6, static_cast<std::uint32_t>(10 * step + 1));
+            l->apply(4, static_cast<std::uint32_t>(10 * step + 2));
+        }
+        p.step();
+        q.step();
+        CHECK(direct.grad_weight == wrapped_target.grad_weight);
+        CHECK(plain.grad_weight == plain_copy.grad_weight);
+    }
+    CHECK(p.a_factor("shared") == q.a_factor("shared"));
+    CHECK(wrapped_target.ended == 3);  // end_pass reaches the wrapped layer
+}

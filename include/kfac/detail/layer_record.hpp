@@ -2,7 +2,8 @@
 #pragma once
 /// @file layer_record.hpp
 /// Everything the preconditioner keeps per registered layer, in three named parts:
-/// * layer_binding: the host's layer (its name, description and how to reach its views);
+/// * layer_binding: the host's layer (its name, description and how to reach its views;
+///   kfac/detail/layer_binding.hpp);
 /// * layer_state: what K-FAC has learned about it (running factors, the statistics of the
 ///   step in progress, the second-order data in force), which is what a checkpoint holds;
 /// * layer_scratch: buffers reused from step to step.
@@ -12,33 +13,11 @@
 #include <string>
 
 #include "kfac/assignment/distribution_plan.hpp"
+#include "kfac/detail/layer_binding.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/tensor_view.hpp"
 
 namespace kfac::detail {
-
-/// The host's layer: type-erased access to the views its layer_traits give. A layer whose
-/// traits have the single-view form reports one application per pass.
-template <class Scalar>
-struct layer_binding {
-    std::string name;
-    layer_description description;
-    void* layer = nullptr;
-    std::int64_t (*applications)(const void*) = nullptr;
-    tensor_view<const Scalar> (*activations)(const void*, std::int64_t) = nullptr;
-    tensor_view<const Scalar> (*output_gradients)(const void*, std::int64_t) = nullptr;
-    tensor_view<Scalar> (*weight_gradient)(void*) = nullptr;
-    tensor_view<Scalar> (*bias_gradient)(void*) = nullptr;
-    bool (*has_gradient)(const void*) = nullptr;  ///< null: always has one
-    void (*end_pass)(void*) = nullptr;            ///< null: nothing to tell the host
-
-    [[nodiscard]] std::int64_t applications_now() const { return applications(layer); }
-    [[nodiscard]] tensor_view<const Scalar> activations_of(std::int64_t i) const { return activations(layer, i); }
-    [[nodiscard]] tensor_view<const Scalar> output_gradients_of(std::int64_t i) const {
-        return output_gradients(layer, i);
-    }
-    [[nodiscard]] bool gradient_present() const { return has_gradient == nullptr || has_gradient(layer); }
-};
 
 /// What K-FAC knows of one layer.
 template <class Backend, class Method>

@@ -753,34 +753,28 @@ inline bool has_own_parameters(const ::torch::nn::Module& m) {
 
 }  // namespace detail
 
-/// Tracks and registers every torch::nn::Linear and torch::nn::Conv2d of `model` (a
-/// std::shared_ptr to a module or a module holder) that K-FAC can precondition, named as
-/// `model->named_modules()` names them ("conv1", "layer1.0.conv1", ...; `prefix` is
-/// prepended). All or nothing: every module is checked before any is tracked or registered,
-/// so after an error the tracker and the preconditioner are as they were. Left out, and
-/// listed in the report with the reason: layers options.skip_layers matches, frozen layers
-/// (weight with requires_grad false), grouped or depthwise Conv2d (groups ≠ 1), and every
-/// other module with parameters of its own (BatchNorm, Embedding, ...), whose parameters
-/// stay the host optimizer's alone.
-/// @throws kfac::error as tracker::track and preconditioner::register_layer do.
-template <class Preconditioner, class Scalar, class Model>
-registration register_modules(Preconditioner& preconditioner, tracker<Scalar>& tracker, const Model& model,
-                              const std::string& prefix = "") {
+namespace detail {
+
+/// The modules of `model` that K-FAC can precondition, prepared for `tracker` (nothing is
+/// tracked yet), and the report of the others.
+template <class Scalar, class Model>
+std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modules(
+    const tracker<Scalar>& tracker, const Model& model, const options& opts, const std::string& prefix) {
     registration report;
-    std::vector<std::shared_ptr<detail::layer_state>> states;
+    std::vector<std::shared_ptr<layer_state>> states;
     for (const auto& item : model->named_modules(prefix, /*include_self=*/true)) {
         const std::shared_ptr<::torch::nn::Module>& m = item.value();
         const std::string name = item.key().empty() ? m->name() : item.key();
-        const auto kind = detail::trackable_kind(m.get());
+        const auto kind = trackable_kind(m.get());
         if (!kind) {
-            if (detail::has_own_parameters(*m))
-                report.not_preconditioned.push_back({name, detail::module_type(*m), "no K-FAC block for this module type"});
+            if (has_own_parameters(*m))
+                report.not_preconditioned.push_back({name, module_type(*m), "no K-FAC block for this module type"});
             continue;
         }
         auto left_out = [&](std::string reason) {
-            report.not_preconditioned.push_back({name, detail::module_type(*m), std::move(reason)});
+            report.not_preconditioned.push_back({name, module_type(*m), std::move(reason)});
         };
-        if (detail::skipped(preconditioner.get_options(), name, *kind)) {
+        if (skipped(opts, name, *kind)) {
             left_out("matched by options.skip_layers");
             continue;
         }
@@ -798,13 +792,53 @@ registration register_modules(Preconditioner& preconditioner, tracker<Scalar>& t
         }
         auto s = tracker.prepare(name, m, states);
         kfac::detail::check_description(name, s->description);
-        if (preconditioner.is_registered(name))
-            throw error("torch adapter: layer '" + name + "' is already registered with the preconditioner; "
-                        "register a model once (or give register_modules a prefix)");
         states.push_back(std::move(s));
     }
+    for (const auto& s : states) report.registered.push_back(s->name);
+    return {std::move(report), std::move(states)};
+}
+
+}  // namespace detail
+
+/// What track_modules() tracked: the report and the tracked layers, in the report's order.
+template <class Scalar>
+struct tracked_modules {
+    registration report;
+    std::vector<tracked_layer<Scalar>*> layers;
+};
+
+/// Tracks every torch::nn::Linear and torch::nn::Conv2d of `model` that K-FAC can
+/// precondition (as register_modules() chooses them, with `opts.skip_layers`), without
+/// registering them: for a preconditioner that this translation unit cannot instantiate,
+/// through kfac::any_layer (see any_layer.hpp). All or nothing.
+/// @throws kfac::error as tracker::track does; nothing is tracked then.
+template <class Scalar, class Model>
+tracked_modules<Scalar> track_modules(tracker<Scalar>& tracker, const Model& model, const options& opts = {},
+                                      const std::string& prefix = "") {
+    auto [report, states] = detail::prepare_modules(tracker, model, opts, prefix);
+    return {std::move(report), tracker.adopt(std::move(states))};
+}
+
+/// Tracks and registers every torch::nn::Linear and torch::nn::Conv2d of `model` (a
+/// std::shared_ptr to a module or a module holder) that K-FAC can precondition, named as
+/// `model->named_modules()` names them ("conv1", "layer1.0.conv1", ...; a `prefix` "p" makes them
+/// "p.conv1", ...). All or nothing: every module is checked before any is tracked or registered,
+/// so after an error the tracker and the preconditioner are as they were. Left out, and
+/// listed in the report with the reason: layers options.skip_layers matches, frozen layers
+/// (weight with requires_grad false), grouped or depthwise Conv2d (groups ≠ 1), and every
+/// other module with parameters of its own (BatchNorm, Embedding, ...), whose parameters
+/// stay the host optimizer's alone.
+/// @throws kfac::error as tracker::track and preconditioner::register_layer do.
+template <class Preconditioner, class Scalar, class Model>
+registration register_modules(Preconditioner& preconditioner, tracker<Scalar>& tracker, const Model& model,
+                              const std::string& prefix = "") {
+    auto [report, states] = detail::prepare_modules(tracker, model, preconditioner.get_options(), prefix);
+    for (const auto& s : states)
+        if (preconditioner.is_registered(s->name))
+            throw error("torch adapter: layer '" + s->name + "' is already registered with the preconditioner; "
+                        "register a model once (or give register_modules a prefix)");
     // Everything checked: the preconditioner takes all layers or none, and the tracker follows.
-    const auto tracked = tracker.adopt(states);
+    const auto tracked = tracker.adopt(std::move(states));
     std::vector<std::pair<std::string, tracked_layer<Scalar>*>> list;
     for (auto* l : tracked) list.emplace_back(l->name(), l);
     try {
@@ -813,7 +847,6 @@ registration register_modules(Preconditioner& preconditioner, tracker<Scalar>& t
         tracker.drop_last(tracked.size());
         throw;
     }
-    for (auto* l : tracked) report.registered.push_back(l->name());
     return report;
 }
 
