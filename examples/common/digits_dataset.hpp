@@ -23,13 +23,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <random>
-#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <system_error>
 #include <utility>
 #include <vector>
 
+#include "dataset_errors.hpp"
 #include "read_file.hpp"
 
 namespace kfac_examples::digits {
@@ -39,17 +39,8 @@ inline constexpr int pixels = image_side * image_side;  // 64 features per image
 inline constexpr int classes = 10;
 inline constexpr int expected_images = 1797;  // the size of the UCI set as sklearn ships it
 
-/// Any problem while locating or reading the data.
-class dataset_error : public std::runtime_error {
-public:
-    using std::runtime_error::runtime_error;
-};
-
-/// The file does not exist: a program may want to treat this differently (a test skips).
-class dataset_missing : public dataset_error {
-public:
-    using dataset_error::dataset_error;
-};
+using kfac_examples::dataset_error;    // dataset_errors.hpp
+using kfac_examples::dataset_missing;
 
 /// Images and labels, in the file's order (or the split's).
 struct dataset {

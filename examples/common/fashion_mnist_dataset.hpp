@@ -18,10 +18,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "dataset_errors.hpp"
 #include "read_file.hpp"
 
 namespace kfac_examples::fashion_mnist {
@@ -32,17 +32,8 @@ inline constexpr int classes = 10;
 inline constexpr const char* class_names[classes] = {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                                                      "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};
 
-/// Any problem while locating or reading the data.
-class dataset_error : public std::runtime_error {
-public:
-    using std::runtime_error::runtime_error;
-};
-
-/// A file is missing: a program may treat this differently (a test skips).
-class dataset_missing : public dataset_error {
-public:
-    using dataset_error::dataset_error;
-};
+using kfac_examples::dataset_error;    // dataset_errors.hpp
+using kfac_examples::dataset_missing;
 
 /// Images and labels in the files' order.
 struct images {

@@ -1,0 +1,25 @@
+# kfac_readme_code_block(<out> <heading> <language>): the first ```<language> block after the
+# first line that starts with <heading> ("## Quick start") in the repository's README.md, for the tests that build the
+# README's code as written. Configure re-runs when README.md changes; a missing heading or
+# block is a configure error naming it.
+function(kfac_readme_code_block out heading language)
+  set(readme ${PROJECT_SOURCE_DIR}/README.md)
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${readme})
+  file(READ ${readme} text)
+  string(FIND "${text}" "\n${heading}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "README.md has no '${heading}' section; a test builds its code")
+  endif()
+  string(SUBSTRING "${text}" ${at} -1 text)
+  set(fence "```${language}\n")
+  string(FIND "${text}" "${fence}" begin)
+  if(begin EQUAL -1)
+    message(FATAL_ERROR "README.md's '${heading}' section has no ${fence}block")
+  endif()
+  string(LENGTH "${fence}" skip)
+  math(EXPR begin "${begin} + ${skip}")
+  string(SUBSTRING "${text}" ${begin} -1 text)
+  string(FIND "${text}" "\n```" end)
+  string(SUBSTRING "${text}" 0 ${end} code)
+  set(${out} "${code}" PARENT_SCOPE)
+endfunction()
