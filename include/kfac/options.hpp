@@ -104,8 +104,13 @@ struct options {
     bool compute_eigenvalue_outer_product = true;
     /// ECMAScript regular expressions; a layer is not registered when one of them is found
     /// (std::regex_search, case-sensitive) in its name or its kind ("linear", "Linear",
-    /// "conv2d", "Conv2d").
+    /// "conv2d", "Conv2d", "conv1d", "Conv1d").
     std::vector<std::string> skip_layers{};
+    /// ECMAScript regular expressions; a layer whose name one of them is found in is
+    /// registered with weight_sharing::reduce (kfac/layers/layer_description.hpp) whatever its
+    /// adapter's description says: the per-layer choice for adapters that describe layers
+    /// themselves (kfac::torch). Every other layer keeps its description's (expand by default).
+    std::vector<std::string> reduce_layers{};
     /// Patch extraction for dilated convolutions.
     conv_patch_mode conv_patches = conv_patch_mode::reference;
     /// Threads for layer-level task parallelism; 0: KFAC_NUM_THREADS, OPENBLAS_NUM_THREADS or

@@ -36,6 +36,7 @@
 #include "kfac/detail/host_staging.hpp"
 #include "kfac/detail/layer_checks.hpp"
 #include "kfac/detail/layer_record.hpp"
+#include "kfac/detail/statistics_views.hpp"
 #include "kfac/detail/step_plan.hpp"
 #include "kfac/fwd.hpp"
 #include "kfac/health.hpp"
@@ -68,14 +69,16 @@ public:
         agree_on([&] {
             validate(options_);
             if (!options_.damping.is_schedule()) detail::check_damping_representable<scalar_type>(options_.damping(0));
-            for (const auto& pattern : options_.skip_layers) {
+            auto compile = [](const char* option, const std::string& pattern) {
                 try {
-                    skip_patterns_.emplace_back(pattern, std::regex::ECMAScript);
+                    return std::regex(pattern, std::regex::ECMAScript);
                 } catch (const std::regex_error& e) {
-                    throw error("options.skip_layers: '" + pattern +
+                    throw error(std::string("options.") + option + ": '" + pattern +
                                 "' is not a valid ECMAScript regular expression (" + e.what() + ")");
                 }
-            }
+            };
+            for (const auto& pattern : options_.skip_layers) skip_patterns_.push_back(compile("skip_layers", pattern));
+            for (const auto& pattern : options_.reduce_layers) reduce_patterns_.push_back(compile("reduce_layers", pattern));
         });
     }
 
@@ -334,9 +337,15 @@ private:
                         throw error("layer '" + name + "': this layer object is already registered as '" +
                                     l.host.name + "'; register each layer object once, under one name");
                 }
-            const layer_description d = traits::describe(layer);
+            layer_description d = traits::describe(layer);
             if (skipped(name, d.kind)) return std::nullopt;
+            for (const auto& re : reduce_patterns_)
+                if (std::regex_search(name, re)) d.sharing = weight_sharing::reduce;
             detail::check_description(name, d);
+            if constexpr (requires { Backend::unsupported_layer(d); }) {
+                const std::string why = Backend::unsupported_layer(d);
+                if (!why.empty()) throw error(detail::describe_layer(name, d) + ": " + why);
+            }
             layer_record r;
             r.host = detail::bind_layer<scalar_type>(layer);
             r.host.name = name;
@@ -353,7 +362,7 @@ private:
 
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const {
         const char* lower = kind_name(kind);
-        const char* pytorch = kind == layer_kind::linear ? "Linear" : "Conv2d";
+        const char* pytorch = pytorch_module_name(kind);
         for (const auto& re : skip_patterns_)
             if (std::regex_search(name, re) || std::regex_search(lower, re) ||
                 std::regex_search(pytorch, re))
@@ -649,9 +658,10 @@ private:
             std::int64_t rows = 0;
             double a_elements = 0.0, g_elements = 0.0;
             for (std::size_t i = 0; i < a.size(); ++i) {
-                a[i] = l.host.activations_of(static_cast<std::int64_t>(i));
-                g[i] = l.host.output_gradients_of(static_cast<std::int64_t>(i));
-                rows += l.host.description.kind == layer_kind::linear ? detail::leading_rows(a[i]) : a[i].extent(0);
+                const auto& d = l.host.description;
+                a[i] = detail::statistic_view(d, l.host.activations_of(static_cast<std::int64_t>(i)));
+                g[i] = detail::statistic_view(d, l.host.output_gradients_of(static_cast<std::int64_t>(i)));
+                rows += detail::statistic_rows(d, a[i]);
                 a_elements += static_cast<double>(a[i].size());
                 g_elements += static_cast<double>(g[i].size());
             }
@@ -891,6 +901,7 @@ private:
     options options_;
     CommPolicy comm_;
     std::vector<std::regex> skip_patterns_;
+    std::vector<std::regex> reduce_patterns_;  // options.reduce_layers
     std::vector<layer_record> layers_;
     std::int64_t steps_ = 0;
     std::int64_t passes_ = 0;  // forward/backward passes folded into the current statistics

@@ -376,7 +376,7 @@ TEST_CASE("torch adapter errors name the layer", "[torch][errors]") {
     }
     SECTION("modules that are not Linear or Conv2d, and duplicates") {
         kfac::torch::tracker<float> tracker;
-        CHECK_THROWS_WITH(tracker.track("act", nn::ReLU().ptr()), Catch::Contains("'act'") && Catch::Contains("neither"));
+        CHECK_THROWS_WITH(tracker.track("act", nn::ReLU().ptr()), Catch::Contains("'act'") && Catch::Contains("none of torch::nn::Linear, Conv2d, Conv1d"));
         tracker.track("head", fc);
         CHECK_THROWS_WITH(tracker.track("head", nn::Linear(3, 2)), Catch::Contains("'head' is already tracked"));
         CHECK_THROWS_WITH(tracker.track("again", fc), Catch::Contains("already tracked as 'head'"));
@@ -716,4 +716,87 @@ TEST_CASE("track_modules and any_layer: the seam for a preconditioner in another
         CHECK(torch::equal(a->conv1->weight.grad(), b->conv1->weight.grad()));
         CHECK(torch::equal(a->fc2->weight.grad(), b->fc2->weight.grad()));
     }
+}
+
+TEST_CASE("Conv1d modules and reduce Linear layers on sequences precondition like plain views", "[torch][conv1d][weight_sharing]") {
+    // A 1-D convolutional sequence model: Conv1d with reflect padding and dilation 2 (the
+    // captured input is the padded one), Conv1d with padding 'same' and no bias, then a
+    // Linear applied to every position of [N, L, C], pooled before the loss (reduce).
+    using T = double;
+    torch::manual_seed(31);
+    auto c1 = nn::Conv1d(nn::Conv1dOptions(3, 4, 3).padding(2).dilation(2).padding_mode(torch::kReflect));
+    auto c2 = nn::Conv1d(nn::Conv1dOptions(4, 5, 3).padding(torch::kSame).bias(false));
+    auto fc = nn::Linear(5, 2);
+    auto model = nn::Sequential();
+    model->push_back("c1", c1);
+    model->push_back("c2", c2);
+    model->push_back("fc", fc);
+    model->to(torch::kDouble);  // the members are shared: c1, c2 and fc are double too
+
+    kfac::options opts;
+    opts.damping = 0.01;
+    opts.conv_patches = kfac::conv_patch_mode::dilated;
+    opts.reduce_layers = {"^fc$"};
+    opts.threads = 1;
+    using precond_t = kfac::KFAC<kfac::backend::cpu_eigen<T>>;
+    kfac::torch::tracker<T> tracker;
+    precond_t through_torch(opts), through_views(opts);
+    const auto report = kfac::torch::register_modules(through_torch, tracker, model);
+    CHECK(report.registered == std::vector<std::string>{"c1", "c2", "fc"});
+    const auto layers = through_torch.layers();
+    CHECK(layers[0].kind == kfac::layer_kind::conv1d);
+    CHECK(layers[0].a_dim == 3 * 3 + 1);
+
+    // The descriptions written out by hand.
+    std::vector<copied_layer<T>> copies(3);
+    copies[0].view.description = kfac::conv1d_description(3, 4, {3, 1, 0, 2, 1}, true);  // padding done by the pad
+    copies[1].view.description = kfac::conv1d_description(4, 5, {3, 1, 1, 1, 1}, false);
+    copies[2].view.description = kfac::with_sharing(kfac::linear_description(5, 2, true), kfac::weight_sharing::reduce);
+    const std::vector<std::string> names{"c1", "c2", "fc"};
+    for (std::size_t i = 0; i < 3; ++i) through_views.register_layer(names[i], copies[i].view);
+
+    auto forward = [&](const torch::Tensor& x, std::vector<torch::Tensor>* keep) {
+        auto o1 = c1(x);
+        auto o2 = c2(torch::relu(o1));
+        auto seq = torch::tanh(o2).transpose(1, 2);  // [N, L, 5]
+        auto o3 = fc(seq);
+        if (keep) {
+            for (auto* o : {&o1, &o2, &o3}) o->retain_grad();
+            *keep = {F::pad(x, F::PadFuncOptions({2, 2}).mode(torch::kReflect)), torch::relu(o1), seq, o1, o2, o3};
+        }
+        return o3.mean(1);  // pooled over positions: reduce's setting
+    };
+    const double tol = 1024.0 * std::numeric_limits<T>::epsilon();  // as in the first test of this file
+    for (int step = 0; step < 3; ++step) {
+        INFO("step " << step);
+        const auto x = torch::randn({4, 3, 9}, torch::kDouble);
+        const auto target = torch::randint(0, 2, {4}, torch::kLong);
+        model->zero_grad();
+        std::vector<torch::Tensor> ref;
+        F::cross_entropy(forward(x, &ref), target).backward();
+        for (std::size_t i = 0; i < 3; ++i) {
+            copies[i].set_statistics(ref[i], ref[3 + i].grad());
+            tracker.layer(names[i]).end_pass();
+        }
+        model->zero_grad();
+        F::cross_entropy(forward(x, nullptr), target).backward();
+        for (std::size_t i = 0; i < 3; ++i) {
+            INFO("layer " << names[i]);
+            CHECK(torch::equal(tracker.layer(names[i]).input(), ref[i]));
+        }
+        copies[0].set_gradients(c1->weight, c1->bias);
+        copies[1].set_gradients(c2->weight, c2->bias);
+        copies[2].set_gradients(fc->weight, fc->bias);
+        through_torch.step();
+        through_views.step();
+        CHECK(rel_err<T>(c1->weight.grad(), copies[0].grad_weight) <= tol);
+        CHECK(rel_err<T>(c1->bias.grad(), copies[0].grad_bias) <= tol);
+        CHECK(rel_err<T>(c2->weight.grad(), copies[1].grad_weight) <= tol);
+        CHECK(rel_err<T>(fc->weight.grad(), copies[2].grad_weight) <= tol);
+        CHECK(rel_err<T>(fc->bias.grad(), copies[2].grad_bias) <= tol);
+        torch::NoGradGuard no_grad;
+        for (auto& p : model->parameters()) p.sub_(0.1 * p.grad());
+    }
+    // fc's A factor averages 4 per-example means (reduce), as the views' does.
+    CHECK(through_torch.a_factor("fc").isApprox(through_views.a_factor("fc"), tol));
 }

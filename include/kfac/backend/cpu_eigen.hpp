@@ -114,6 +114,7 @@ struct cpu_eigen {
     /// Scratch kept per layer between calls, so steady-state steps do not allocate.
     struct workspace {
         std::vector<Scalar> patches;
+        std::vector<Scalar> reduced;  ///< one row per example (weight sharing `reduce`)
     };
 
     /// Factors, second-order data and gradients live in host memory.
@@ -192,6 +193,11 @@ struct cpu_eigen {
                                        tensor_view<const Scalar> a, conv_patch_mode mode,
                                        Scalar beta, workspace& ws) {
         const index cols = d.weight_columns();
+        if (d.sharing == weight_sharing::reduce) {
+            reduce_inputs(d, a, mode, ws);
+            add_example_gram(sum, d.bias, ws.reduced.data(), examples(d, a), cols, beta);
+            return;
+        }
         if (d.kind == layer_kind::linear) {
             const index rows = a.size() / cols;
             const Scalar alpha = Scalar(1) / static_cast<Scalar>(rows);
@@ -233,8 +239,13 @@ struct cpu_eigen {
 
     /// G statistic of one batch: sum = beta·sum + YᵀY / (N·S³) (golden §4.1, §4.2 step 5).
     static void accumulate_g_statistic(matrix& sum, const layer_description& d,
-                                       tensor_view<const Scalar> g, Scalar beta, workspace&) {
+                                       tensor_view<const Scalar> g, Scalar beta, workspace& ws) {
         const index out = d.out;
+        if (d.sharing == weight_sharing::reduce) {
+            reduce_gradients(d, g, ws);
+            add_example_gram(sum, false, ws.reduced.data(), examples(d, g), out, beta);
+            return;
+        }
         if (d.kind == layer_kind::linear) {
             const index rows = g.size() / out;
             gram_of_rows(sum.data(), sum.rows(), g.data, rows, out,
@@ -248,6 +259,67 @@ struct cpu_eigen {
         for (index i = 0; i < n; ++i)
             gram_of_cols(sum.data(), sum.rows(), g.data + i * out * spatial, out, spatial,
                          spatial, alpha, i == 0 ? beta : Scalar(1));
+    }
+
+    /// Examples of one application: dimension 0 of a convolution's views and of a Linear
+    /// layer's [N, positions..., features] views; a rank-1 Linear view is one example.
+    static index examples(const layer_description& d, const tensor_view<const Scalar>& v) {
+        return d.kind == layer_kind::linear && v.rank < 2 ? 1 : v.extent(0);
+    }
+
+    /// ws.reduced ← ā_n, the mean over positions of example n's inputs (Linear) or patches
+    /// (convolutions, zero padding included), one row of weight_columns() per example.
+    static void reduce_inputs(const layer_description& d, tensor_view<const Scalar> a, conv_patch_mode mode,
+                              workspace& ws) {
+        const index cols = d.weight_columns(), n = examples(d, a);
+        ws.reduced.resize(static_cast<std::size_t>(n * cols));
+        Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> out(ws.reduced.data(), n, cols);
+        if (d.kind == layer_kind::linear) {
+            const index positions = a.size() / cols / n;
+            row_major_map x(a.data, n * positions, cols, Eigen::OuterStride<>(cols));
+            for (index e = 0; e < n; ++e)
+                out.row(e) = x.middleRows(e * positions, positions).colwise().sum() / static_cast<Scalar>(positions);
+            return;
+        }
+        const index channels = a.extent(1), height = a.extent(2), width = a.extent(3);
+        const patch_grid grid = make_patch_grid(d.conv, height, width, mode);
+        const index positions = grid.positions();
+        ws.patches.resize(static_cast<std::size_t>(cols * positions));
+        for (index e = 0; e < n; ++e) {
+            extract_patches_transposed(a.data, channels, height, width, d.conv, grid, e * grid.rows, grid.rows,
+                                       ws.patches.data(), positions);
+            row_major_map p(ws.patches.data(), cols, positions, Eigen::OuterStride<>(positions));
+            out.row(e) = p.rowwise().sum().transpose() / static_cast<Scalar>(positions);
+        }
+    }
+
+    /// ws.reduced ← ĝ_n, the sum over positions of example n's output gradients.
+    static void reduce_gradients(const layer_description& d, tensor_view<const Scalar> g, workspace& ws) {
+        const index out = d.out, n = examples(d, g);
+        ws.reduced.resize(static_cast<std::size_t>(n * out));
+        Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> sums(ws.reduced.data(), n, out);
+        if (d.kind == layer_kind::linear) {
+            const index positions = g.size() / out / n;
+            row_major_map y(g.data, n * positions, out, Eigen::OuterStride<>(out));
+            for (index e = 0; e < n; ++e) sums.row(e) = y.middleRows(e * positions, positions).colwise().sum();
+            return;
+        }
+        const index positions = g.extent(2) * g.extent(3);
+        for (index e = 0; e < n; ++e) {
+            row_major_map y(g.data + e * out * positions, out, positions, Eigen::OuterStride<>(positions));
+            sums.row(e) = y.rowwise().sum().transpose();
+        }
+    }
+
+    /// sum = beta·sum + (1/n)·X̃ᵀX̃ for the n × cols row-major X of one row per example, with
+    /// the ones column of a bias last (lower triangle).
+    static void add_example_gram(matrix& sum, bool bias, const Scalar* x, index n, index cols, Scalar beta) {
+        const Scalar alpha = Scalar(1) / static_cast<Scalar>(n);
+        gram_of_rows(sum.data(), sum.rows(), x, n, cols, alpha, beta);
+        if (bias) {
+            row_major_map m(x, n, cols, Eigen::OuterStride<>(cols));
+            add_bias_row(sum, m.colwise().sum(), n, alpha, beta);
+        }
     }
 
     /// F ← decay·F + weight·sum, after mirroring sum's lower triangle into its upper one.

@@ -201,6 +201,16 @@ struct cuda {
 
     // --- factor statistics ---------------------------------------------------------------
 
+    /// Why this backend cannot precondition a layer (empty when it can); the preconditioner
+    /// asks at registration. Conv1d runs as the Conv2d it equals; weight sharing `reduce`
+    /// has no device kernels yet.
+    static std::string unsupported_layer(const layer_description& d) {
+        if (d.sharing == weight_sharing::reduce)
+            return "weight sharing 'reduce' is computed by the CPU backend only (kfac::backend::cuda has no "
+                   "kernel for it yet); use weight_sharing::expand on the GPU or kfac::backend::cpu_eigen";
+        return {};
+    }
+
     /// sum = beta·sum + X̃ᵀX̃ / (N·S³) (lower triangle; S = 1 for Linear), golden §4.1–4.2.
     /// The bias's ones column is part of the SYRK operand, so one call gives the whole
     /// factor including the bias row and corner.

@@ -15,59 +15,6 @@
 
 namespace kfac::detail {
 
-inline std::string describe_layer(const std::string& name, const layer_description& d) {
-    std::string s = "layer '" + name + "' (" + kind_name(d.kind) + " " + std::to_string(d.in) +
-                    "->" + std::to_string(d.out);
-    if (d.kind == layer_kind::conv2d)
-        s += ", kernel " + std::to_string(d.conv.kernel[0]) + "x" + std::to_string(d.conv.kernel[1]);
-    return s + (d.bias ? ", bias)" : ", no bias)");
-}
-
-/// Everything that identifies a layer, for the cross-rank configuration check:
-/// "'conv1' (conv2d 3->4, kernel 3x3, stride 1x1, padding 1x1, dilation 1x1, groups 1, bias)".
-inline std::string layer_signature(const std::string& name, const layer_description& d) {
-    std::string s = "'" + name + "' (" + kind_name(d.kind) + " " + std::to_string(d.in) + "->" + std::to_string(d.out);
-    if (d.kind == layer_kind::conv2d) {
-        const auto& c = d.conv;
-        auto pair = [](const std::array<std::int64_t, 2>& p) { return std::to_string(p[0]) + "x" + std::to_string(p[1]); };
-        s += ", kernel " + pair(c.kernel) + ", stride " + pair(c.stride) + ", padding " + pair(c.padding) +
-             ", dilation " + pair(c.dilation) + ", groups " + std::to_string(c.groups);
-    }
-    return s + (d.bias ? ", bias)" : ", no bias)");
-}
-
-/// Largest count a BLAS or LAPACK call takes: both libraries the backends use (OpenBLAS's
-/// LP64 interface, cuBLAS) pass dimensions as 32-bit ints.
-inline constexpr std::int64_t blas_int_max = 2147483647;
-
-inline void check_description(const std::string& name, const layer_description& d) {
-    const std::string who = describe_layer(name, d);
-    if (d.in <= 0 || d.out <= 0)
-        throw error(who + ": input and output sizes must be positive");
-    if (d.kind == layer_kind::conv2d) {
-        const auto& c = d.conv;
-        for (int i = 0; i < 2; ++i) {
-            if (c.kernel[i] <= 0 || c.stride[i] <= 0 || c.dilation[i] <= 0 || c.padding[i] < 0)
-                throw error(who + ": kernel, stride and dilation must be positive and padding "
-                                  "non-negative");
-        }
-        if (c.groups != 1)
-            throw error(who + ": groups = " + std::to_string(c.groups) +
-                        " is not supported (K-FAC's factors here assume a dense kernel); exclude "
-                        "the layer with options.skip_layers");
-    }
-    // A factor's dimension is a BLAS dimension (and its square the factor's size).
-    std::int64_t columns = d.in;
-    if (d.kind == layer_kind::conv2d &&
-        (__builtin_mul_overflow(d.in, d.conv.kernel[0], &columns) ||
-         __builtin_mul_overflow(columns, d.conv.kernel[1], &columns)))
-        columns = blas_int_max + 1;
-    if (columns >= blas_int_max || d.out > blas_int_max)
-        throw error(who + ": a factor dimension of " + std::to_string(columns) + " x " + std::to_string(d.out) +
-                    " exceeds what a BLAS call takes (" + std::to_string(blas_int_max) +
-                    "); exclude the layer with options.skip_layers");
-}
-
 /// "[5, 6]". Built by appending: GCC 12 at -O3 warns falsely (-Wrestrict, bug 105329) on
 /// `"[" + std::to_string(...)`.
 template <class Extents>
@@ -82,6 +29,82 @@ std::string shape_text(const Extents& extents) {
 }
 inline std::string shape_text(std::initializer_list<std::int64_t> extents) {
     return shape_text<std::initializer_list<std::int64_t>>(extents);
+}
+
+/// "3x3" for conv2d, "3" for conv1d (its trivial first axis left out).
+inline std::string geometry_text(const layer_description& d, const std::array<std::int64_t, 2>& p) {
+    if (d.kind == layer_kind::conv1d) return std::to_string(p[1]);
+    return std::to_string(p[0]) + "x" + std::to_string(p[1]);
+}
+
+inline std::string describe_layer(const std::string& name, const layer_description& d) {
+    std::string s = "layer '" + name + "' (" + kind_name(d.kind) + " " + std::to_string(d.in) +
+                    "->" + std::to_string(d.out);
+    if (is_convolution(d.kind)) s += ", kernel " + geometry_text(d, d.conv.kernel);
+    if (d.sharing != weight_sharing::expand) s += std::string(", weight sharing ") + sharing_name(d.sharing);
+    return s + (d.bias ? ", bias)" : ", no bias)");
+}
+
+/// Everything that identifies a layer, for the cross-rank configuration check and
+/// checkpoints: "'conv1' (conv2d 3->4, kernel 3x3, stride 1x1, padding 1x1, dilation 1x1,
+/// groups 1, bias)"; weight sharing is named when it is not the default (expand), so
+/// signatures of checkpoints written before it existed still match.
+inline std::string layer_signature(const std::string& name, const layer_description& d) {
+    std::string s = "'" + name + "' (" + kind_name(d.kind) + " " + std::to_string(d.in) + "->" + std::to_string(d.out);
+    if (is_convolution(d.kind)) {
+        const auto& c = d.conv;
+        s += ", kernel " + geometry_text(d, c.kernel) + ", stride " + geometry_text(d, c.stride) + ", padding " +
+             geometry_text(d, c.padding) + ", dilation " + geometry_text(d, c.dilation) + ", groups " +
+             std::to_string(c.groups);
+    }
+    if (d.sharing != weight_sharing::expand) s += std::string(", weight sharing ") + sharing_name(d.sharing);
+    return s + (d.bias ? ", bias)" : ", no bias)");
+}
+
+/// Largest count a BLAS or LAPACK call takes: both libraries the backends use (OpenBLAS's
+/// LP64 interface, cuBLAS) pass dimensions as 32-bit ints.
+inline constexpr std::int64_t blas_int_max = 2147483647;
+
+inline void check_description(const std::string& name, const layer_description& d) {
+    const std::string who = describe_layer(name, d);
+    if (d.in <= 0 || d.out <= 0)
+        throw error(who + ": input and output sizes must be positive");
+    if (d.sharing != weight_sharing::expand && d.sharing != weight_sharing::reduce)
+        throw error(who + ": description.sharing holds " + std::to_string(static_cast<int>(d.sharing)) +
+                    ", which is not a kfac::weight_sharing; use weight_sharing::expand or ::reduce");
+    if (d.kind != layer_kind::linear && d.kind != layer_kind::conv2d && d.kind != layer_kind::conv1d)
+        throw error(who + ": description.kind holds " + std::to_string(static_cast<int>(d.kind)) +
+                    ", which is not a kfac::layer_kind");
+    if (d.kind == layer_kind::conv1d) {
+        const auto& c = d.conv;
+        if (c.kernel[0] != 1 || c.stride[0] != 1 || c.dilation[0] != 1 || c.padding[0] != 0)
+            throw error(who + ": a conv1d's geometry has a trivial first axis (kernel, stride, dilation 1, "
+                        "padding 0) but this one has kernel " + shape_text(c.kernel) + ", stride " +
+                        shape_text(c.stride) + ", padding " + shape_text(c.padding) + ", dilation " +
+                        shape_text(c.dilation) + "; build it with kfac::conv1d_description()");
+    }
+    if (is_convolution(d.kind)) {
+        const auto& c = d.conv;
+        for (int i = 0; i < 2; ++i) {
+            if (c.kernel[i] <= 0 || c.stride[i] <= 0 || c.dilation[i] <= 0 || c.padding[i] < 0)
+                throw error(who + ": kernel, stride and dilation must be positive and padding "
+                                  "non-negative");
+        }
+        if (c.groups != 1)
+            throw error(who + ": groups = " + std::to_string(c.groups) +
+                        " is not supported (K-FAC's factors here assume a dense kernel); exclude "
+                        "the layer with options.skip_layers");
+    }
+    // A factor's dimension is a BLAS dimension (and its square the factor's size).
+    std::int64_t columns = d.in;
+    if (is_convolution(d.kind) &&
+        (__builtin_mul_overflow(d.in, d.conv.kernel[0], &columns) ||
+         __builtin_mul_overflow(columns, d.conv.kernel[1], &columns)))
+        columns = blas_int_max + 1;
+    if (columns >= blas_int_max || d.out > blas_int_max)
+        throw error(who + ": a factor dimension of " + std::to_string(columns) + " x " + std::to_string(d.out) +
+                    " exceeds what a BLAS call takes (" + std::to_string(blas_int_max) +
+                    "); exclude the layer with options.skip_layers");
 }
 
 /// A device view handed to a host backend cannot be read: say which view and what to do.
@@ -170,25 +193,35 @@ void check_statistics_views(const std::string& name, const layer_description& d,
             throw error(who + ": activations " + a.shape_string() + " and output gradients " +
                         g.shape_string() + " must hold the same, non-zero number of rows");
         check_blas_count(who, "activations " + a.shape_string() + " hold rows:", leading_rows(a));
+        if (d.sharing == weight_sharing::reduce && a.rank >= 2 && g.rank >= 2 && a.extent(0) != g.extent(0))
+            throw error(who + ": with weight sharing 'reduce' dimension 0 counts the examples, but activations " +
+                        a.shape_string() + " and output gradients " + g.shape_string() + " differ in it; pass "
+                        "[N, positions..., features] views");
         return;
     }
-    if (a.rank != 4 || a.extent(1) != d.in)
-        throw error(who + ": activations have shape " + a.shape_string() +
-                    "; expected [N, " + std::to_string(d.in) + ", H, W]");
+    // Conv1d views [N, C, L] are the Conv2d views [N, C, 1, L].
+    const bool one_d = d.kind == layer_kind::conv1d;
+    const int rank = one_d ? 3 : 4;
+    auto shape = [&](std::int64_t n, std::int64_t c, std::int64_t h, std::int64_t w) {
+        return one_d ? shape_text({n, c, w}) : shape_text({n, c, h, w});
+    };
+    if (a.rank != rank || a.extent(1) != d.in)
+        throw error(who + ": activations have shape " + a.shape_string() + "; expected [N, " + std::to_string(d.in) +
+                    (one_d ? ", L]" : ", H, W]"));
+    const std::int64_t height = one_d ? 1 : a.extent(2), width = a.extent(rank - 1);
     const auto& c = d.conv;
-    const std::int64_t ho = conv_output_extent(a.extent(2), c.kernel[0], c.stride[0], c.padding[0], c.dilation[0]);
-    const std::int64_t wo = conv_output_extent(a.extent(3), c.kernel[1], c.stride[1], c.padding[1], c.dilation[1]);
-    const std::int64_t ho_ref = conv_output_extent(a.extent(2), c.kernel[0], c.stride[0], c.padding[0], 1);
-    const std::int64_t wo_ref = conv_output_extent(a.extent(3), c.kernel[1], c.stride[1], c.padding[1], 1);
+    const std::int64_t ho = conv_output_extent(height, c.kernel[0], c.stride[0], c.padding[0], c.dilation[0]);
+    const std::int64_t wo = conv_output_extent(width, c.kernel[1], c.stride[1], c.padding[1], c.dilation[1]);
+    const std::int64_t ho_ref = conv_output_extent(height, c.kernel[0], c.stride[0], c.padding[0], 1);
+    const std::int64_t wo_ref = conv_output_extent(width, c.kernel[1], c.stride[1], c.padding[1], 1);
     if (a.extent(0) <= 0 || ho <= 0 || wo <= 0 || ho_ref <= 0 || wo_ref <= 0)
         throw error(who + ": activations " + a.shape_string() +
                     " are empty or smaller than the (padded) kernel");
-    if (g.rank != 4 || g.extent(0) != a.extent(0) || g.extent(1) != d.out || g.extent(2) != ho ||
-        g.extent(3) != wo)
+    const bool g_ok = g.rank == rank && g.extent(0) == a.extent(0) && g.extent(1) == d.out &&
+                      (one_d || g.extent(2) == ho) && g.extent(rank - 1) == wo;
+    if (!g_ok)
         throw error(who + ": output gradients have shape " + g.shape_string() + "; for input " +
-                    a.shape_string() + " the convolution's output is [" +
-                    std::to_string(a.extent(0)) + ", " + std::to_string(d.out) + ", " +
-                    std::to_string(ho) + ", " + std::to_string(wo) + "]");
+                    a.shape_string() + " the convolution's output is " + shape(a.extent(0), d.out, ho, wo));
     // The G statistic is one rank-k update per sample over its output positions.
     check_blas_count(who, "output gradients " + g.shape_string() + " hold positions per sample:", ho * wo);
 }
@@ -203,11 +236,13 @@ void check_gradient_views(const std::string& name, const layer_description& d,
     check_extents(who, "bias gradient", b);
     check_memory_space(who, "weight gradient", w, device_backend, probe);
     check_memory_space(who, "bias gradient", b, device_backend, probe);
-    const bool linear = d.kind == layer_kind::linear;
+    const bool linear = d.kind == layer_kind::linear, one_d = d.kind == layer_kind::conv1d;
     const std::string expected = linear ? shape_text({d.out, d.in})
-                                        : shape_text({d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});
-    bool ok = !w.empty() && w.rank == (linear ? 2 : 4) && w.extent(0) == d.out && w.extent(1) == d.in;
-    if (ok && !linear) ok = w.extent(2) == d.conv.kernel[0] && w.extent(3) == d.conv.kernel[1];
+                                 : one_d ? shape_text({d.out, d.in, d.conv.kernel[1]})
+                                         : shape_text({d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});
+    bool ok = !w.empty() && w.rank == (linear ? 2 : one_d ? 3 : 4) && w.extent(0) == d.out && w.extent(1) == d.in;
+    if (ok && one_d) ok = w.extent(2) == d.conv.kernel[1];
+    if (ok && d.kind == layer_kind::conv2d) ok = w.extent(2) == d.conv.kernel[0] && w.extent(3) == d.conv.kernel[1];
     if (!ok)
         throw error(who + ": weight gradient has shape " + (w.empty() ? std::string("(empty)") : w.shape_string()) +
                     "; expected " + expected + ". Point the adapter's weight_gradient() at the "

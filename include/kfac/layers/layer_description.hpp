@@ -10,10 +10,54 @@
 
 namespace kfac {
 
-enum class layer_kind { linear, conv2d };
+/// Conv1d is a Conv2d whose first spatial axis is trivial: its geometry is stored as the
+/// 2-D one with kernel, stride and dilation 1 and padding 0 on that axis (conv1d_description()
+/// builds it), and its views [N, C, L] are read as [N, C, 1, L].
+enum class layer_kind { linear, conv2d, conv1d };
 
 [[nodiscard]] inline const char* kind_name(layer_kind k) noexcept {
-    return k == layer_kind::linear ? "linear" : "conv2d";
+    switch (k) {
+        case layer_kind::linear: return "linear";
+        case layer_kind::conv2d: return "conv2d";
+        case layer_kind::conv1d: return "conv1d";
+    }
+    return "unknown";
+}
+
+/// The name PyTorch gives the module of a kind ("Linear", "Conv2d", "Conv1d"), which
+/// options.skip_layers patterns may match as well.
+[[nodiscard]] inline const char* pytorch_module_name(layer_kind k) noexcept {
+    switch (k) {
+        case layer_kind::linear: return "Linear";
+        case layer_kind::conv2d: return "Conv2d";
+        case layer_kind::conv1d: return "Conv1d";
+    }
+    return "unknown";
+}
+
+[[nodiscard]] constexpr bool is_convolution(layer_kind k) noexcept { return k != layer_kind::linear; }
+
+/// How the factors treat a weight applied at several positions of one example (the tokens of
+/// a sequence, the output locations of a convolution); Eschenhagen et al., "Kronecker-Factored
+/// Approximate Curvature for Modern Neural Network Architectures", NeurIPS 2023, §3.
+/// Either way the output gradients g are used as the framework delivers them (for a loss that
+/// is a mean over the batch they carry its 1/N), and each factor is a mean over its rows.
+enum class weight_sharing {
+    /// Every (example, position) pair is a row: A = mean over them of ã ãᵀ, G = mean of g gᵀ
+    /// (a convolution keeps the reference's extra 1/S² on each factor, golden §4.2). KAISA's
+    /// and kfac-pytorch's behaviour; right for a loss with a term per position (language
+    /// modelling, per-pixel losses).
+    expand,
+    /// Positions are aggregated first, one row per example: ā_n = mean over positions of
+    /// ã_{n,r}, ĝ_n = sum over positions of g_{n,r}; A = mean over n of ā_n ā_nᵀ, G = mean of
+    /// ĝ_n ĝ_nᵀ. Right for a loss computed after pooling the positions (classification of a
+    /// sequence or image), and cheaper: O(N·d²) instead of O(N·R·d²). Linear inputs are then
+    /// [N, positions..., in] (dimension 0 is the example); a rank-2 input has one position.
+    reduce,
+};
+
+[[nodiscard]] inline const char* sharing_name(weight_sharing s) noexcept {
+    return s == weight_sharing::expand ? "expand" : "reduce";
 }
 
 /// Geometry of a 2-D convolution, each pair {height, width}.
@@ -25,13 +69,23 @@ struct conv2d_geometry {
     std::int64_t groups = 1;
 };
 
-/// Linear: `in` = in_features, `out` = out_features. Conv2d: `in` = C_in, `out` = C_out.
+/// Geometry of a 1-D convolution (torch::nn::Conv1d's options).
+struct conv1d_geometry {
+    std::int64_t kernel = 1;
+    std::int64_t stride = 1;
+    std::int64_t padding = 0;
+    std::int64_t dilation = 1;
+    std::int64_t groups = 1;
+};
+
+/// Linear: `in` = in_features, `out` = out_features. Conv: `in` = C_in, `out` = C_out.
 struct layer_description {
     layer_kind kind = layer_kind::linear;
     std::int64_t in = 0;
     std::int64_t out = 0;
     bool bias = false;
-    conv2d_geometry conv{};  ///< ignored for linear layers
+    conv2d_geometry conv{};  ///< ignored for linear layers; {1, k}-style for conv1d
+    weight_sharing sharing = weight_sharing::expand;
 
     /// Columns of the weight gradient reshaped to [out, ·]: in or C_in·k_h·k_w.
     [[nodiscard]] std::int64_t weight_columns() const noexcept {
@@ -45,14 +99,34 @@ struct layer_description {
 
 [[nodiscard]] inline layer_description linear_description(std::int64_t in_features,
                                                           std::int64_t out_features, bool bias) {
-    return {layer_kind::linear, in_features, out_features, bias, {}};
+    return {layer_kind::linear, in_features, out_features, bias, {}, weight_sharing::expand};
 }
 
 [[nodiscard]] inline layer_description conv2d_description(std::int64_t in_channels,
                                                           std::int64_t out_channels,
                                                           const conv2d_geometry& geometry,
                                                           bool bias) {
-    return {layer_kind::conv2d, in_channels, out_channels, bias, geometry};
+    return {layer_kind::conv2d, in_channels, out_channels, bias, geometry, weight_sharing::expand};
+}
+
+/// A Conv1d over [N, C_in, L] inputs, stored as the Conv2d over [N, C_in, 1, L] it equals.
+[[nodiscard]] inline layer_description conv1d_description(std::int64_t in_channels,
+                                                          std::int64_t out_channels,
+                                                          const conv1d_geometry& geometry,
+                                                          bool bias) {
+    conv2d_geometry g;
+    g.kernel = {1, geometry.kernel};
+    g.stride = {1, geometry.stride};
+    g.padding = {0, geometry.padding};
+    g.dilation = {1, geometry.dilation};
+    g.groups = geometry.groups;
+    return {layer_kind::conv1d, in_channels, out_channels, bias, g, weight_sharing::expand};
+}
+
+/// The same layer with another weight-sharing treatment.
+[[nodiscard]] inline layer_description with_sharing(layer_description d, weight_sharing s) noexcept {
+    d.sharing = s;
+    return d;
 }
 
 /// Output extent of a convolution along one axis, as the convolution computes it.

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file torch.hpp
-/// LibTorch adapter: K-FAC for the `torch::nn::Linear` and `torch::nn::Conv2d` members of an
+/// LibTorch adapter: K-FAC for the `torch::nn::Linear`, `torch::nn::Conv2d` and
+/// `torch::nn::Conv1d` members of an
 /// existing model, with no change to the model or its hand-written `forward`. Optional: only
 /// this header needs LibTorch (CMake: `find_package(Torch)`, link `${TORCH_LIBRARIES}`); it is
 /// not included by `kfac/kfac.hpp`.
@@ -29,7 +30,8 @@
 /// operator's arguments and results. A `tracker` installs one such observer on its thread and
 /// recognises a tracked module's computation by the identity of its weight tensor:
 ///
-/// * Conv2d: `aten::conv2d(input, weight, ...)`, the call `Conv2dImpl::forward` makes;
+/// * Conv2d, Conv1d: `aten::conv2d(input, weight, ...)`, `aten::conv1d(...)`, the calls
+///   `Conv2dImpl::forward` and `Conv1dImpl::forward` make;
 /// * Linear: `torch::nn::functional::linear` computes `addmm(bias, input, weight.t())` for a 2-D
 ///   input with bias and `input.matmul(weight.t())` otherwise, so an `aten::t` of the weight
 ///   marks the transposed weight and the `aten::addmm`, `aten::matmul` or `aten::mm` that
@@ -79,10 +81,10 @@
 /// * the captured tensors are references, not copies: do not modify a batch in place between
 ///   its forward pass and step().
 ///
-/// Conv2d geometry is read from the module's options. Zero padding is described as padding;
+/// Conv2d and Conv1d geometry is read from the module's options. Zero padding is described as padding;
 /// with a `reflect`, `replicate` or `circular` padding mode LibTorch pads the input itself
 /// before an unpadded convolution, so the factors are built from that padded input (padding 0
-/// in the description), the patches the convolution really multiplies. Conv2d with `groups` ≠ 1
+/// in the description), the patches the convolution really multiplies. A convolution with `groups` ≠ 1
 /// is not preconditioned: register_modules leaves it to the host's optimizer and reports it.
 
 #include <array>
@@ -128,7 +130,7 @@ struct pass {
 /// What the tracker knows of one module.
 struct layer_state {
     std::string name;
-    const char* type = "";  // "Linear" or "Conv2d", for messages
+    const char* type = "";  // "Linear", "Conv2d" or "Conv1d", for messages
     layer_description description{};
     std::shared_ptr<::torch::nn::Module> module;  // keeps *weight and *bias alive
     at::Tensor* weight = nullptr;                 // the module's members
@@ -205,7 +207,7 @@ c10::ArrayRef<const c10::IValue> recorded_inputs(const at::RecordFunction& fn);
 template struct record_function_inputs<&at::RecordFunction::inputs_>;
 #endif
 
-enum class op_kind { none, transpose, addmm, matmul, mm, linear, conv2d };
+enum class op_kind { none, transpose, addmm, matmul, mm, linear, conv2d, conv1d };
 
 /// The operators the observer looks at, by schema name.
 inline op_kind classify(const char* name) noexcept {
@@ -218,7 +220,9 @@ inline op_kind classify(const char* name) noexcept {
             if (std::strcmp(op, "matmul") == 0) return op_kind::matmul;
             return std::strcmp(op, "mm") == 0 ? op_kind::mm : op_kind::none;
         case 'l': return std::strcmp(op, "linear") == 0 ? op_kind::linear : op_kind::none;
-        case 'c': return std::strcmp(op, "conv2d") == 0 ? op_kind::conv2d : op_kind::none;
+        case 'c':
+            if (std::strcmp(op, "conv2d") == 0) return op_kind::conv2d;
+            return std::strcmp(op, "conv1d") == 0 ? op_kind::conv1d : op_kind::none;
         default: return op_kind::none;
     }
 }
@@ -246,7 +250,7 @@ inline operand_positions positions(op_kind k) noexcept {
         case op_kind::addmm: return {1, 2, true};           // addmm(bias, input, weight.t())
         case op_kind::matmul:                               // matmul(input, weight.t())
         case op_kind::mm: return {0, 1, true};              // mm(input, weight.t())
-        default: return {0, 1, false};                      // linear/conv2d(input, weight, ...)
+        default: return {0, 1, false};                      // linear/conv2d/conv1d(input, weight, ...)
     }
 }
 
@@ -264,7 +268,9 @@ inline std::shared_ptr<layer_state> match(const thread_observer& obs, op_kind ki
                 if (linear && key == l->weight->unsafeGetTensorImpl()) return l;
             } else if (transposed) {
                 if (linear && l->transposed.defined() && key == l->transposed.unsafeGetTensorImpl()) return l;
-            } else if (!linear && key == l->weight->unsafeGetTensorImpl()) {  // conv2d
+            } else if (!linear && key == l->weight->unsafeGetTensorImpl()) {  // conv2d, conv1d
+                // A call of the other kind of convolution is an application K-FAC cannot
+                // describe: on_operator_start records why.
                 return l;
             }
         }
@@ -275,25 +281,27 @@ inline std::shared_ptr<layer_state> match(const thread_observer& obs, op_kind ki
 /// "[2, 2]".
 inline std::string pair_text(const std::array<std::int64_t, 2>& p) { return kfac::detail::shape_text(p); }
 
-/// An aten::conv2d call's options, as its arguments give them: (input, weight, bias, stride,
-/// padding, dilation, groups), padding a list or, from `padding='same'`/`'valid'`, a string.
+/// An aten::conv2d or aten::conv1d call's options, as its arguments give them: (input, weight,
+/// bias, stride, padding, dilation, groups), padding a list or, from `padding='same'`/`'valid'`,
+/// a string. A conv1d's options are held as the 2-D ones of the Conv2d it equals ({1, v}).
 struct conv_call {
     std::array<std::int64_t, 2> stride{1, 1}, padding{0, 0}, dilation{1, 1};
     std::int64_t groups = 1;
 };
 
-inline std::array<std::int64_t, 2> pair_arg(const c10::IValue& v, std::array<std::int64_t, 2> fallback) {
+inline std::array<std::int64_t, 2> pair_arg(const c10::IValue& v, std::array<std::int64_t, 2> fallback,
+                                            bool one_d) {
     if (!v.isIntList()) return fallback;
     const auto list = v.toIntVector();
-    if (list.size() == 1) return {list[0], list[0]};
+    if (list.size() == 1) return {one_d ? fallback[0] : list[0], list[0]};
     if (list.size() >= 2) return {list[0], list[1]};
     return fallback;
 }
 
-inline conv_call read_conv_call(c10::ArrayRef<const c10::IValue> args, const conv2d_geometry& module) {
+inline conv_call read_conv_call(c10::ArrayRef<const c10::IValue> args, const conv2d_geometry& module, bool one_d) {
     conv_call c;
-    if (args.size() > 3) c.stride = pair_arg(args[3], c.stride);
-    if (args.size() > 5) c.dilation = pair_arg(args[5], c.dilation);
+    if (args.size() > 3) c.stride = pair_arg(args[3], c.stride, one_d);
+    if (args.size() > 5) c.dilation = pair_arg(args[5], c.dilation, one_d);
     if (args.size() > 6 && args[6].isInt()) c.groups = args[6].toInt();
     if (args.size() > 4) {
         if (args[4].isString()) {
@@ -302,7 +310,7 @@ inline conv_call read_conv_call(c10::ArrayRef<const c10::IValue> args, const con
             if (args[4].toStringRef() == "same")
                 for (std::size_t i = 0; i < 2; ++i) c.padding[i] = c.dilation[i] * (module.kernel[i] - 1) / 2;
         } else {
-            c.padding = pair_arg(args[4], c.padding);
+            c.padding = pair_arg(args[4], c.padding, one_d);
         }
     }
     return c;
@@ -311,18 +319,22 @@ inline conv_call read_conv_call(c10::ArrayRef<const c10::IValue> args, const con
 /// Empty when the call convolves with the geometry the layer is described by; else why not.
 inline std::string conv_call_mismatch(const layer_state& l, c10::ArrayRef<const c10::IValue> args) {
     const conv2d_geometry& g = l.description.conv;
-    const conv_call c = read_conv_call(args, g);
+    const bool one_d = l.description.kind == layer_kind::conv1d;
+    const conv_call c = read_conv_call(args, g, one_d);
     if (c.stride == g.stride && c.padding == g.padding && c.dilation == g.dilation && c.groups == g.groups) return {};
-    auto text = [](const std::array<std::int64_t, 2>& s, const std::array<std::int64_t, 2>& p,
-                   const std::array<std::int64_t, 2>& d, std::int64_t groups) {
-        return "stride " + pair_text(s) + ", padding " + pair_text(p) + ", dilation " + pair_text(d) + ", groups " +
+    auto text = [&](const std::array<std::int64_t, 2>& s, const std::array<std::int64_t, 2>& p,
+                    const std::array<std::int64_t, 2>& d, std::int64_t groups) {
+        auto axes = [&](const std::array<std::int64_t, 2>& v) {
+            return one_d ? kfac::detail::shape_text({v[1]}) : pair_text(v);
+        };
+        return "stride " + axes(s) + ", padding " + axes(p) + ", dilation " + axes(d) + ", groups " +
                std::to_string(groups);
     };
     return "torch adapter: " + l.who() + ": its weight was used by a convolution with " +
            text(c.stride, c.padding, c.dilation, c.groups) + ", but the module's options, by which K-FAC describes "
            "the layer, give " + text(g.stride, g.padding, g.dilation, g.groups) +
-           ": a functional call (F::conv2d, torch::conv2d) reused the module's weight with other options. Call "
-           "the module itself, give that call a Conv2d module of its own, or leave the layer out with "
+           ": a functional call (F::conv2d, torch::conv1d, ...) reused the module's weight with other options. "
+           "Call the module itself, give that call a module of its own, or leave the layer out with "
            "options.skip_layers";
 }
 
@@ -343,7 +355,16 @@ inline std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFu
     } else {
         if (where.transposed) layer->transposed.reset();
         call->input = args[where.input].toTensor();
-        if (kind == op_kind::conv2d) call->problem = conv_call_mismatch(*layer, args);
+        if (kind == op_kind::conv2d || kind == op_kind::conv1d) {
+            const bool module_one_d = layer->description.kind == layer_kind::conv1d;
+            if (module_one_d != (kind == op_kind::conv1d))
+                call->problem = "torch adapter: " + layer->who() + ": its weight was used by aten::" +
+                                (kind == op_kind::conv1d ? "conv1d" : "conv2d") + ", another kind of convolution "
+                                "than the module's; call the module itself or leave the layer out with "
+                                "options.skip_layers";
+            else
+                call->problem = conv_call_mismatch(*layer, args);
+        }
         ++obs.depth;  // operators nested in this one are not looked at
     }
     call->layer = std::move(layer);
@@ -435,27 +456,35 @@ tensor_view<Scalar> gradient_view(const layer_state& l, const at::Tensor& param,
     return view_of<Scalar>(l, name.c_str(), g);
 }
 
-inline std::array<std::int64_t, 2> pair_of(const ::torch::ExpandingArray<2>& a) {
-    return {(*a)[0], (*a)[1]};
+/// A module option as the two axes of the Conv2d geometry; a Conv1d's single axis is the
+/// second, the first is `trivial` (1 for kernel, stride and dilation, 0 for padding).
+template <std::size_t D>
+std::array<std::int64_t, 2> axes_of(const ::torch::ExpandingArray<D>& a, std::int64_t trivial) {
+    static_assert(D == 1 || D == 2);
+    if constexpr (D == 1) return {trivial, (*a)[0]};
+    else return {(*a)[0], (*a)[1]};
 }
 
-inline layer_description describe_conv2d(const std::string& name, const ::torch::nn::Conv2dImpl& m) {
+/// The description of a torch::nn::Conv2d or Conv1d (D spatial dimensions) from its options.
+template <std::size_t D, class ConvImpl>
+layer_description describe_conv(const std::string& name, const ConvImpl& m) {
     const auto& o = m.options;
+    const char* type = D == 1 ? "torch::nn::Conv1d" : "torch::nn::Conv2d";
     conv2d_geometry g;
-    g.kernel = pair_of(o.kernel_size());
-    g.stride = pair_of(o.stride());
-    g.dilation = pair_of(o.dilation());
+    g.kernel = axes_of<D>(o.kernel_size(), 1);
+    g.stride = axes_of<D>(o.stride(), 1);
+    g.dilation = axes_of<D>(o.dilation(), 1);
     g.groups = o.groups();
     const bool zeros = c10::get_if<::torch::enumtype::kZeros>(&o.padding_mode()) != nullptr;
-    if (const auto* explicit_padding = c10::get_if<::torch::ExpandingArray<2>>(&o.padding())) {
-        g.padding = pair_of(*explicit_padding);
+    if (const auto* explicit_padding = c10::get_if<::torch::ExpandingArray<D>>(&o.padding())) {
+        g.padding = axes_of<D>(*explicit_padding, 0);
     } else if (c10::get_if<::torch::enumtype::kValid>(&o.padding()) != nullptr) {
         g.padding = {0, 0};
     } else {  // kSame: total padding dilation·(kernel − 1) per axis, split left/right
         for (std::size_t i = 0; i < 2; ++i) {
             const std::int64_t total = g.dilation[i] * (g.kernel[i] - 1);
             if (zeros && total % 2 != 0)
-                throw error("torch adapter: layer '" + name + "' (torch::nn::Conv2d): padding 'same' "
+                throw error("torch adapter: layer '" + name + "' (" + type + "): padding 'same' "
                             "with kernel " + std::to_string(g.kernel[i]) + " and dilation " +
                             std::to_string(g.dilation[i]) + " pads unevenly (" + std::to_string(total / 2) +
                             " and " + std::to_string(total - total / 2) + "), which K-FAC's patch "
@@ -467,14 +496,27 @@ inline layer_description describe_conv2d(const std::string& name, const ::torch:
     // A non-zero padding mode pads the input itself before an unpadded convolution, and that
     // padded input is what the observer captures.
     if (!zeros) g.padding = {0, 0};
-    return conv2d_description(o.in_channels(), o.out_channels(), g, m.bias.defined());
+    layer_description d = conv2d_description(o.in_channels(), o.out_channels(), g, m.bias.defined());
+    if constexpr (D == 1) d.kind = layer_kind::conv1d;
+    return d;
+}
+
+/// The weight and `groups` of a tracked convolution module (nullopt for other modules).
+struct conv_module {
+    const at::Tensor* weight;
+    std::int64_t groups;
+};
+inline std::optional<conv_module> as_conv(const ::torch::nn::Module* m) {
+    if (const auto* c = dynamic_cast<const ::torch::nn::Conv2dImpl*>(m)) return conv_module{&c->weight, c->options.groups()};
+    if (const auto* c = dynamic_cast<const ::torch::nn::Conv1dImpl*>(m)) return conv_module{&c->weight, c->options.groups()};
+    return std::nullopt;
 }
 
 /// The library's skip rule (preconditioner::register_layer): a pattern that matches the name
 /// or a kind name.
 inline bool skipped(const options& opts, const std::string& name, layer_kind kind) {
     const char* lower = kind_name(kind);
-    const char* pytorch = kind == layer_kind::linear ? "Linear" : "Conv2d";
+    const char* pytorch = pytorch_module_name(kind);
     for (const auto& pattern : opts.skip_layers) {
         const std::regex re(pattern, std::regex::ECMAScript);
         if (std::regex_search(name, re) || std::regex_search(lower, re) || std::regex_search(pytorch, re))
@@ -487,12 +529,13 @@ inline bool skipped(const options& opts, const std::string& name, layer_kind kin
 inline std::optional<layer_kind> trackable_kind(const ::torch::nn::Module* m) {
     if (dynamic_cast<const ::torch::nn::LinearImpl*>(m) != nullptr) return layer_kind::linear;
     if (dynamic_cast<const ::torch::nn::Conv2dImpl*>(m) != nullptr) return layer_kind::conv2d;
+    if (dynamic_cast<const ::torch::nn::Conv1dImpl*>(m) != nullptr) return layer_kind::conv1d;
     return std::nullopt;
 }
 
 }  // namespace detail
 
-/// A tracked `torch::nn::Linear` or `torch::nn::Conv2d`: what the preconditioner registers
+/// A tracked `torch::nn::Linear`, `Conv2d` or `Conv1d`: what the preconditioner registers
 /// (through kfac::layer_traits). Owned by its tracker; only its tracker creates it.
 ///
 /// @tparam Scalar float or double: the module's dtype and the backend's scalar type.
@@ -503,7 +546,7 @@ public:
 
     [[nodiscard]] const std::string& name() const noexcept { return state_->name; }
     [[nodiscard]] const layer_description& description() const noexcept { return state_->description; }
-    /// The module (a torch::nn::LinearImpl or torch::nn::Conv2dImpl).
+    /// The module (a torch::nn::LinearImpl, Conv2dImpl or Conv1dImpl).
     [[nodiscard]] const std::shared_ptr<::torch::nn::Module>& module() const noexcept { return state_->module; }
     /// Applications (forward calls whose gradient arrived) captured so far, in all passes.
     [[nodiscard]] std::int64_t passes() const {
@@ -616,7 +659,12 @@ public:
     tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Conv2d& module) {
         return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
     }
-    /// Tracks a module that is a torch::nn::LinearImpl or torch::nn::Conv2dImpl.
+    /// Tracks a Conv1d module under `name`.
+    /// @throws kfac::error as above, or for padding 'same' that pads unevenly.
+    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Conv1d& module) {
+        return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
+    }
+    /// Tracks a module that is a torch::nn::LinearImpl, Conv2dImpl or Conv1dImpl.
     /// @throws kfac::error for any other module, and as above.
     tracked_layer<Scalar>& track(const std::string& name, const std::shared_ptr<::torch::nn::Module>& module) {
         auto s = prepare(name, module, {});
@@ -650,11 +698,16 @@ public:
             s->type = "Conv2d";
             s->weight = &conv->weight;
             s->bias = &conv->bias;
-            s->description = detail::describe_conv2d(name, *conv);
+            s->description = detail::describe_conv<2>(name, *conv);
+        } else if (auto* conv1d = dynamic_cast<::torch::nn::Conv1dImpl*>(module.get())) {
+            s->type = "Conv1d";
+            s->weight = &conv1d->weight;
+            s->bias = &conv1d->bias;
+            s->description = detail::describe_conv<1>(name, *conv1d);
         } else {
             throw error("torch adapter: module '" + name + "' (" +
                         (module ? module->name() : std::string("null")) +
-                        ") is neither a torch::nn::Linear nor a torch::nn::Conv2d");
+                        ") is none of torch::nn::Linear, Conv2d, Conv1d");
         }
         const std::vector<std::shared_ptr<detail::layer_state>>& tracked = core_->layers;
         for (const auto* list : {&tracked, &pending})
@@ -778,15 +831,15 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
             left_out("matched by options.skip_layers");
             continue;
         }
-        const auto* conv = dynamic_cast<const ::torch::nn::Conv2dImpl*>(m.get());
+        const auto conv = as_conv(m.get());
         const auto* linear = dynamic_cast<const ::torch::nn::LinearImpl*>(m.get());
-        const at::Tensor& weight = conv != nullptr ? conv->weight : linear->weight;
+        const at::Tensor& weight = conv ? *conv->weight : linear->weight;
         if (weight.defined() && !weight.requires_grad()) {
             left_out("frozen: the weight has requires_grad = false");
             continue;
         }
-        if (conv != nullptr && conv->options.groups() != 1) {
-            left_out("groups = " + std::to_string(conv->options.groups()) +
+        if (conv && conv->groups != 1) {
+            left_out("groups = " + std::to_string(conv->groups) +
                      ": grouped and depthwise convolutions have no K-FAC block here yet");
             continue;
         }
@@ -807,7 +860,7 @@ struct tracked_modules {
     std::vector<tracked_layer<Scalar>*> layers;
 };
 
-/// Tracks every torch::nn::Linear and torch::nn::Conv2d of `model` that K-FAC can
+/// Tracks every torch::nn::Linear, Conv2d and Conv1d of `model` that K-FAC can
 /// precondition (as register_modules() chooses them, with `opts.skip_layers`), without
 /// registering them: for a preconditioner that this translation unit cannot instantiate,
 /// through kfac::any_layer (see any_layer.hpp). All or nothing.
@@ -819,13 +872,13 @@ tracked_modules<Scalar> track_modules(tracker<Scalar>& tracker, const Model& mod
     return {std::move(report), tracker.adopt(std::move(states))};
 }
 
-/// Tracks and registers every torch::nn::Linear and torch::nn::Conv2d of `model` (a
+/// Tracks and registers every torch::nn::Linear, Conv2d and Conv1d of `model` (a
 /// std::shared_ptr to a module or a module holder) that K-FAC can precondition, named as
 /// `model->named_modules()` names them ("conv1", "layer1.0.conv1", ...; a `prefix` "p" makes them
 /// "p.conv1", ...). All or nothing: every module is checked before any is tracked or registered,
 /// so after an error the tracker and the preconditioner are as they were. Left out, and
 /// listed in the report with the reason: layers options.skip_layers matches, frozen layers
-/// (weight with requires_grad false), grouped or depthwise Conv2d (groups ≠ 1), and every
+/// (weight with requires_grad false), grouped or depthwise convolutions (groups ≠ 1), and every
 /// other module with parameters of its own (BatchNorm, Embedding, ...), whose parameters
 /// stay the host optimizer's alone.
 /// @throws kfac::error as tracker::track and preconditioner::register_layer do.
