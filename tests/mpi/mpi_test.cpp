@@ -482,3 +482,89 @@ TEST_CASE("a layer with a gradient on some ranks only is an error on every rank"
     p.step();
     CHECK(p.steps() == 1);
 }
+
+TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one process with all of them", "[mpi][conv1d][weight_sharing]") {
+    // Rank r holds N_r = 2 + r examples. Under every KAISA strategy the factors average the
+    // ranks' statistics weighted by their examples (statistic_rows: the examples of a Conv1d
+    // and of a reduce Linear, not its positions), which equals one process over every rank's
+    // examples; the preconditioned gradients must then agree with that process's.
+    const int world = world_size(), me = world_rank();
+    const std::int64_t c = 2, len = 9, c_out = 3, k = 3, r = 4, in = 5, out = 2;
+    const kfac::conv1d_geometry geometry{k, 1, 1, 1, 1};
+    const std::int64_t lo = kfac::conv_output_extent(len, k, 1, 1, 1);
+    auto examples_of = [](int rank) { return std::int64_t{2} + rank; };
+    // Example e of the whole batch (over all ranks) has the same data wherever it is held.
+    auto conv_data = [&](std::int64_t first, std::int64_t count, owned_layer<double>& l, std::uint32_t step) {
+        l.input.clear();
+        l.grad_output.clear();
+        for (std::int64_t e = first; e < first + count; ++e) {
+            const auto x = random_vector<double>(static_cast<std::size_t>(c * len), 100 + step * 1000 + static_cast<std::uint32_t>(e));
+            const auto g = random_vector<double>(static_cast<std::size_t>(c_out * lo), 200 + step * 1000 + static_cast<std::uint32_t>(e), 0.1);
+            l.input.insert(l.input.end(), x.begin(), x.end());
+            l.grad_output.insert(l.grad_output.end(), g.begin(), g.end());
+        }
+        l.input_shape = {count, c, len};
+        l.output_shape = {count, c_out, lo};
+    };
+    auto seq_data = [&](std::int64_t first, std::int64_t count, owned_layer<double>& l, std::uint32_t step) {
+        l.input.clear();
+        l.grad_output.clear();
+        for (std::int64_t e = first; e < first + count; ++e) {
+            const auto x = random_vector<double>(static_cast<std::size_t>(r * in), 300 + step * 1000 + static_cast<std::uint32_t>(e));
+            const auto g = random_vector<double>(static_cast<std::size_t>(r * out), 400 + step * 1000 + static_cast<std::uint32_t>(e), 0.1);
+            l.input.insert(l.input.end(), x.begin(), x.end());
+            l.grad_output.insert(l.grad_output.end(), g.begin(), g.end());
+        }
+        l.input_shape = {count, r, in};
+        l.output_shape = {count, r, out};
+    };
+    auto bind_all = [&](owned_layer<double>& conv, owned_layer<double>& seq, std::uint32_t step) {
+        conv.grad_weight = random_vector<double>(static_cast<std::size_t>(c_out * c * k), 500 + step, 0.1);
+        conv.grad_bias = random_vector<double>(static_cast<std::size_t>(c_out), 600 + step, 0.1);
+        seq.grad_weight = random_vector<double>(static_cast<std::size_t>(out * in), 700 + step, 0.1);
+        seq.grad_bias = random_vector<double>(static_cast<std::size_t>(out), 800 + step, 0.1);
+        conv.bind();
+        conv.view.grad_weight = kfac::tensor_view<double>(conv.grad_weight.data(), {c_out, c, k});
+        seq.bind();
+    };
+    std::int64_t first = 0, total = 0;
+    for (int q = 0; q < world; ++q) {
+        if (q < me) first += examples_of(q);
+        total += examples_of(q);
+    }
+    for (double fraction : {kfac::comm_opt, kfac::hybrid_opt, kfac::mem_opt}) {
+        if (fraction == kfac::hybrid_opt && world % 2 != 0 && world != 1) continue;
+        INFO("fraction " << fraction);
+        kfac::options o;
+        o.grad_worker_fraction = fraction;
+        o.damping = 0.01;
+        o.reduce_layers = {"^seq$"};
+        mpi_kfac<> p(o, kfac::comm::mpi());
+        kfac::KFAC<kfac::backend::cpu_eigen<double>> whole(o);
+        owned_layer<double> conv, seq, conv_all, seq_all;
+        for (auto* l : {&conv, &conv_all}) l->view.description = kfac::conv1d_description(c, c_out, geometry, true);
+        for (auto* l : {&seq, &seq_all}) l->view.description = kfac::linear_description(in, out, true);
+        p.register_layer("conv", conv.view);
+        p.register_layer("seq", seq.view);
+        whole.register_layer("conv", conv_all.view);
+        whole.register_layer("seq", seq_all.view);
+        for (std::uint32_t step = 0; step < 2; ++step) {
+            conv_data(first, examples_of(me), conv, step);
+            seq_data(first, examples_of(me), seq, step);
+            conv_data(0, total, conv_all, step);
+            seq_data(0, total, seq_all, step);
+            bind_all(conv, seq, step);
+            bind_all(conv_all, seq_all, step);
+            p.step();
+            whole.step();
+            // Sums in another order (per rank, then across): ~1e-15 relative in the factors,
+            // amplified by the damped solve (≤ (λ_max + γ)/γ ≈ 10² here): 1e-10 bounds it.
+            CHECK(rel_err(Eigen::Map<const Eigen::VectorXd>(conv.grad_weight.data(), static_cast<Eigen::Index>(conv.grad_weight.size())),
+                          Eigen::Map<const Eigen::VectorXd>(conv_all.grad_weight.data(), static_cast<Eigen::Index>(conv_all.grad_weight.size()))) < 1e-10);
+            CHECK(rel_err(Eigen::Map<const Eigen::VectorXd>(seq.grad_weight.data(), static_cast<Eigen::Index>(seq.grad_weight.size())),
+                          Eigen::Map<const Eigen::VectorXd>(seq_all.grad_weight.data(), static_cast<Eigen::Index>(seq_all.grad_weight.size()))) < 1e-10);
+            CHECK(rel_err(Eigen::Map<const Eigen::VectorXd>(seq.grad_bias.data(), static_cast<Eigen::Index>(seq.grad_bias.size())),
+                          Eigen::Map<const Eigen::VectorXd>(seq_all.grad_bias.data(), static_cast<Eigen::Index>(seq_all.grad_bias.size()))) < 1e-10);
+        }
+    }
+}

@@ -434,3 +434,61 @@ TEST_CASE("layers() and memory_usage() describe the preconditioner", "[checkpoin
     CHECK(usage.second_order == factors + (6 + 4 + 4 + 3 + 19 + 3 + 24 + 12 + 57) * sizeof(double));
     CHECK(usage.total() == usage.factors + usage.statistics + usage.second_order + usage.gradients);
 }
+
+TEST_CASE("Conv1d and reduce layers resume bitwise, and refuse the other weight sharing", "[checkpoint][conv1d][weight_sharing]") {
+    using namespace kfac_test;
+    using T = double;
+    auto make = [](owned_layer<T>& conv, owned_layer<T>& seq, std::uint32_t seed) {
+        conv.view.description = kfac::conv1d_description(2, 3, {3, 2, 1, 1, 1}, true);
+        conv.input = random_vector<T>(4 * 2 * 9, seed);
+        conv.grad_output = random_vector<T>(4 * 3 * 5, seed + 1, 0.1);
+        conv.grad_weight = random_vector<T>(3 * 2 * 3, seed + 2, 0.1);
+        conv.grad_bias = random_vector<T>(3, seed + 3, 0.1);
+        conv.input_shape = {4, 2, 9};
+        conv.output_shape = {4, 3, 5};
+        conv.bind();
+        conv.view.grad_weight = kfac::tensor_view<T>(conv.grad_weight.data(), {3, 2, 3});
+        seq.view.description = kfac::with_sharing(kfac::linear_description(3, 2, true), kfac::weight_sharing::reduce);
+        seq.input = random_vector<T>(4 * 5 * 3, seed + 4);
+        seq.grad_output = random_vector<T>(4 * 5 * 2, seed + 5, 0.1);
+        seq.grad_weight = random_vector<T>(2 * 3, seed + 6, 0.1);
+        seq.grad_bias = random_vector<T>(2, seed + 7, 0.1);
+        seq.input_shape = {4, 5, 3};
+        seq.output_shape = {4, 5, 2};
+        seq.bind();
+    };
+    kfac::options o;
+    o.inv_update_steps = 2;
+    kfac::KFAC<kfac::backend::cpu_eigen<T>> first(o), second(o);
+    owned_layer<T> c1, s1, c2, s2;
+    make(c1, s1, 1);
+    first.register_layer("conv", c1.view);
+    first.register_layer("seq", s1.view);
+    for (std::uint32_t k = 0; k < 3; ++k) {
+        make(c1, s1, 10 * k);
+        first.step();
+    }
+    const std::string bytes = first.save_bytes();
+    make(c2, s2, 1);
+    second.register_layer("conv", c2.view);
+    second.register_layer("seq", s2.view);
+    second.load_bytes(bytes);
+    for (std::uint32_t k = 3; k < 5; ++k) {
+        make(c1, s1, 10 * k);
+        make(c2, s2, 10 * k);
+        first.step();
+        second.step();
+        CHECK(c1.grad_weight == c2.grad_weight);
+        CHECK(s1.grad_weight == s2.grad_weight);
+    }
+    CHECK(first.a_factor("seq") == second.a_factor("seq"));
+
+    kfac::KFAC<kfac::backend::cpu_eigen<T>> expand(o);
+    owned_layer<T> c3, s3;
+    make(c3, s3, 1);
+    s3.view.description.sharing = kfac::weight_sharing::expand;
+    expand.register_layer("conv", c3.view);
+    expand.register_layer("seq", s3.view);
+    CHECK_THROWS_WITH(expand.load_bytes(bytes), Catch::Contains("weight sharing reduce"));
+    CHECK(expand.steps() == 0);
+}
