@@ -14,6 +14,7 @@
 #include <functional>
 #include <istream>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <ostream>
 #include <regex>
@@ -26,6 +27,7 @@
 #include "kfac/assignment/distribution_plan.hpp"
 #include "kfac/assignment/kaisa_grid.hpp"
 #include "kfac/assignment/strategies.hpp"
+#include "kfac/backend/diagonal_factors.hpp"
 #include "kfac/config.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/checkpoint/format.hpp"
@@ -253,7 +255,8 @@ public:
             if (l.host.name == name) return true;
         return false;
     }
-    /// Running A factor of a layer (the identity before its first update).
+    /// Running A factor of a layer (the identity before its first update); a diagonal one
+    /// (an Embedding's) as its a_dim × 1 diagonal.
     [[nodiscard]] const matrix& a_factor(const std::string& name) const { return find(name).state.a_factor; }
     /// Running G factor of a layer.
     [[nodiscard]] const matrix& g_factor(const std::string& name) const { return find(name).state.g_factor; }
@@ -339,25 +342,47 @@ private:
                 }
             layer_description d = traits::describe(layer);
             if (skipped(name, d.kind)) return std::nullopt;
+            // An Embedding has no positions to share a weight over: its rows are the tokens.
             for (const auto& re : reduce_patterns_)
-                if (std::regex_search(name, re)) d.sharing = weight_sharing::reduce;
+                if (d.kind != layer_kind::embedding && std::regex_search(name, re)) d.sharing = weight_sharing::reduce;
             detail::check_description(name, d);
-            if constexpr (requires { Backend::unsupported_layer(d); }) {
-                const std::string why = Backend::unsupported_layer(d);
-                if (!why.empty()) throw error(detail::describe_layer(name, d) + ": " + why);
-            }
+            check_backend_supports(name, d);
             layer_record r;
             r.host = detail::bind_layer<scalar_type>(layer);
             r.host.name = name;
             r.host.description = d;
             const auto a = d.a_dim(), g = d.g_dim();
-            r.state.a_factor = Backend::identity(a);
+            r.state.a_factor = identity_factor(d);
             r.state.g_factor = Backend::identity(g);
-            r.state.a_sum = Backend::zeros(a, a);
+            r.state.a_sum = Backend::zeros(a, d.a_storage_cols());
             r.state.g_sum = Backend::zeros(g, g);
             return r;
         }
         return std::nullopt;
+    }
+
+    /// What this backend and scalar type cannot hold, refused by name before registration.
+    static void check_backend_supports(const std::string& name, const layer_description& d) {
+        const std::string who = detail::describe_layer(name, d);
+        if constexpr (requires { Backend::unsupported_layer(d); }) {
+            const std::string why = Backend::unsupported_layer(d);
+            if (!why.empty()) throw error(who + ": " + why);
+        }
+        const bool diagonal = d.a_structure() == factor_structure::diagonal || d.weight_is_in_by_out();
+        if (diagonal && !detail::backend_with_diagonal_factors<Backend>)
+            throw error(who + ": this backend has no diagonal factors (kfac/backend/diagonal_factors.hpp), which an "
+                        "Embedding needs; use kfac::backend::cpu_eigen, or exclude the layer with options.skip_layers");
+        // Token ids travel as scalars: past 2^digits a float or double no longer holds every integer.
+        constexpr std::int64_t exact_ids = std::int64_t{1} << std::numeric_limits<scalar_type>::digits;
+        if (d.kind == layer_kind::embedding && d.in > exact_ids)
+            throw error(who + ": " + std::to_string(d.in) + " token ids do not all fit exactly in the scalar type "
+                        "(its integers are exact up to " + std::to_string(exact_ids) + "); use a double backend");
+    }
+
+    /// A running factor before its first update: the identity (a column of ones when diagonal).
+    static matrix identity_factor(const layer_description& d) {
+        if (d.a_structure() == factor_structure::diagonal) return Backend::ones(d.a_dim());
+        return Backend::identity(d.a_dim());
     }
 
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const {
@@ -622,7 +647,7 @@ private:
             auto& l = layers_[i];
             l.role = plan_.role(i, me);
             if (l.role.grad_worker && !(l.role.computes_a && l.role.computes_g))
-                method::prepare_receive(l.state.second, l.host.description.a_dim(), l.host.description.g_dim(), options_);
+                method::prepare_receive(l.state.second, l.host.description, options_);
         }
         threads_ = threads;
         serial_blas_ = serial_blas;
@@ -630,10 +655,18 @@ private:
     }
 
     /// The placement of every layer's work at this world size (a pure function of the
-    /// layers and the options; kfac/assignment/distribution_plan.hpp).
+    /// layers and the options; kfac/assignment/distribution_plan.hpp). Strategies cost dense
+    /// factors by dimension; a diagonal one of n entries counts as the dense ⌈√n⌉ × ⌈√n⌉ that
+    /// holds as many (its storage; its O(n) work is smaller still).
     [[nodiscard]] assignment::distribution_plan distribution() const {
         std::vector<std::pair<std::int64_t, std::int64_t>> dims;
-        for (const auto& l : layers_) dims.emplace_back(l.host.description.a_dim(), l.host.description.g_dim());
+        for (const auto& l : layers_) {
+            const auto& d = l.host.description;
+            auto a = d.a_dim();
+            if (d.a_structure() == factor_structure::diagonal)
+                a = static_cast<std::int64_t>(std::ceil(std::sqrt(static_cast<double>(a))));
+            dims.emplace_back(a, d.g_dim());
+        }
         return assignment::plan_distribution<AssignmentStrategy>(dims, comm_.size(), options_.strategy,
                                                                  options_.grad_worker_fraction, options_.colocate_factors);
     }
@@ -669,7 +702,8 @@ private:
             l.state.pass_applications = n;
             if (n == 0) continue;
             const std::int64_t folded = passes_ == 0 ? 0 : l.state.captured_applications;
-            const double n_a = static_cast<double>(l.host.description.a_dim()), n_g = static_cast<double>(l.host.description.g_dim());
+            const double n_a = static_cast<double>(l.host.description.a_storage_cols()),
+                         n_g = static_cast<double>(l.host.description.g_dim());
             // Cost ∝ rows of the product × n²: the input elements stand in for rows × n.
             tasks.push_back({a_elements * n_a, [&l, a = std::move(a), folded, this] {
                                  in_layer(l, [&] {
@@ -719,16 +753,17 @@ private:
                 const auto rows = total_rows(l);
                 const auto applications = total_applications(l);
                 if (applications == 0) {  // this rank contributes nothing (the sums are stale)
-                    l.state.a_sum = Backend::zeros(l.host.description.a_dim(), l.host.description.a_dim());
+                    l.state.a_sum = Backend::zeros(l.host.description.a_dim(), l.host.description.a_storage_cols());
                     l.state.g_sum = Backend::zeros(l.host.description.g_dim(), l.host.description.g_dim());
                 } else {
                     const auto w = rows / static_cast<scalar_type>(applications);
                     Backend::scale_symmetric(l.state.a_sum, w);
                     Backend::scale_symmetric(l.state.g_sum, w);
                 }
-                for (matrix* sum : {&l.state.a_sum, &l.state.g_sum}) {
+                for (matrix* sum : {&l.state.a_sum, &l.state.g_sum}) {  // a diagonal A is no triangle
                     const auto n = static_cast<std::size_t>(sum->size());
-                    items.push_back({staging_.stage(sum->data(), n, true, true), n, true, sum->rows()});
+                    const bool triangle = sum->cols() == sum->rows();
+                    items.push_back({staging_.stage(sum->data(), n, true, true), n, triangle, sum->rows()});
                 }
                 weights.push_back(rows);
             }
@@ -766,14 +801,21 @@ private:
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
             auto& r = results[i];
-            const double n_a = static_cast<double>(l.host.description.a_dim()), n_g = static_cast<double>(l.host.description.g_dim());
+            const auto& d = l.host.description;
+            const double n_a = static_cast<double>(d.a_dim()), n_g = static_cast<double>(d.g_dim());
+            const double a_cost = d.a_structure() == factor_structure::diagonal ? n_a : n_a * n_a * n_a;
             if (l.role.computes_a)
-                tasks.push_back({n_a * n_a * n_a, [&l, &r, damping] {
-                                     in_layer(l, [&] { r.ok_a = method::compute_factor(l.state.a_factor, damping, r.a); });
+                tasks.push_back({a_cost, [&l, &r, damping] {
+                                     in_layer(l, [&] {
+                                         r.ok_a = method::compute_factor(l.state.a_factor, l.host.description.a_structure(),
+                                                                         damping, r.a);
+                                     });
                                  }});
             if (l.role.computes_g)
                 tasks.push_back({n_g * n_g * n_g, [&l, &r, damping] {
-                                     in_layer(l, [&] { r.ok_g = method::compute_factor(l.state.g_factor, damping, r.g); });
+                                     in_layer(l, [&] {
+                                         r.ok_g = method::compute_factor(l.state.g_factor, factor_structure::dense, damping, r.g);
+                                     });
                                  }});
         }
         agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
@@ -790,7 +832,7 @@ private:
                 } else {
                     outcome.add(l, non_finite_source::decomposition, plan.step, &health_counters::kept_decompositions);
                     if (!l.state.has_second) {  // nothing to keep: precondition with the identity's data
-                        method::identity_data(l.state.second, l.host.description.a_dim(), l.host.description.g_dim(), damping, options_);
+                        method::identity_data(l.state.second, l.host.description, damping, options_);
                         l.state.has_second = true;
                     }
                 }
@@ -817,10 +859,11 @@ private:
         std::vector<detail::task> tasks;
         for (auto& l : layers_) {
             if (!l.scratch.active) continue;  // no gradient: nothing to precondition or share
-            const double n_a = static_cast<double>(l.host.description.a_dim()), n_g = static_cast<double>(l.host.description.g_dim());
-            tasks.push_back({n_a * n_g * (n_a + n_g), [&l, damping, this] { in_layer(l, [&] {
-                                 Backend::load_gradient(l.scratch.gamma, as_const(l.host.weight_gradient(l.host.layer)),
-                                                        as_const(l.host.bias_gradient(l.host.layer)));
+            const auto& d = l.host.description;
+            const double n_a = static_cast<double>(d.a_dim()), n_g = static_cast<double>(d.g_dim());
+            const double a_side = d.a_structure() == factor_structure::diagonal ? 1.0 : n_a;  // a row scaling
+            tasks.push_back({n_a * n_g * (a_side + n_g), [&l, damping, this] { in_layer(l, [&] {
+                                 load_gradient(l);
                                  if (!l.role.grad_worker)
                                      l.scratch.preconditioned.resize(l.host.description.a_dim(), l.host.description.g_dim());
                                  else if (!Backend::all_finite(l.scratch.gamma))
@@ -855,6 +898,22 @@ private:
         }
     }
 
+    /// l.scratch.gamma ← Γᵀ (A_dim × G_dim) from the host's gradient views.
+    static void load_gradient(layer_record& l) {
+        const auto w = as_const(l.host.weight_gradient(l.host.layer));
+        if constexpr (detail::backend_with_diagonal_factors<Backend>)
+            if (l.host.description.weight_is_in_by_out()) return Backend::load_gradient_transposed(l.scratch.gamma, w);
+        Backend::load_gradient(l.scratch.gamma, w, as_const(l.host.bias_gradient(l.host.layer)));
+    }
+    /// The host's gradient views ← scale · Pᵀ, as load_gradient read them.
+    static void store_gradient(layer_record& l, scalar_type scale) {
+        const auto w = l.host.weight_gradient(l.host.layer);
+        if constexpr (detail::backend_with_diagonal_factors<Backend>)
+            if (l.host.description.weight_is_in_by_out())
+                return Backend::store_gradient_transposed(l.scratch.preconditioned, scale, w);
+        Backend::store_gradient(l.scratch.preconditioned, scale, w, l.host.bias_gradient(l.host.layer));
+    }
+
     /// ν = min(1, √(κ / |η² Σ_layers ⟨P, Γ⟩|)), 1 without kl_clip or when the sum is 0.
     double kl_clip_scale(const detail::step_plan& plan) const {
         if (!plan.kl_clip) return 1.0;
@@ -868,8 +927,7 @@ private:
     void write_back(double scale) {
         for (auto& l : layers_)
             if (l.scratch.active) in_layer(l, [&] {
-                Backend::store_gradient(l.scratch.preconditioned, static_cast<scalar_type>(scale), l.host.weight_gradient(l.host.layer),
-                                        l.host.bias_gradient(l.host.layer));
+                store_gradient(l, static_cast<scalar_type>(scale));
             });
     }
 

@@ -7,6 +7,8 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <memory>
@@ -493,30 +495,34 @@ TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one proc
     const kfac::conv1d_geometry geometry{k, 1, 1, 1, 1};
     const std::int64_t lo = kfac::conv_output_extent(len, k, 1, 1, 1);
     auto examples_of = [](int rank) { return std::int64_t{2} + rank; };
-    // Example e of the whole batch (over all ranks) has the same data wherever it is held.
-    auto conv_data = [&](std::int64_t first, std::int64_t count, owned_layer<double>& l, std::uint32_t step) {
+    // Example e of the whole batch (over all ranks) has the same data wherever it is held:
+    // examples [first, first + count) of one layer, each an input of `in_tail` extents and an
+    // output gradient of `out_tail` extents.
+    auto fill_examples = [](owned_layer<double>& l, std::int64_t first, std::int64_t count, std::uint32_t seed,
+                            std::vector<std::int64_t> in_tail, std::vector<std::int64_t> out_tail) {
+        auto elements = [](const std::vector<std::int64_t>& tail) {
+            std::int64_t n = 1;
+            for (auto e : tail) n *= e;
+            return static_cast<std::size_t>(n);
+        };
         l.input.clear();
         l.grad_output.clear();
         for (std::int64_t e = first; e < first + count; ++e) {
-            const auto x = random_vector<double>(static_cast<std::size_t>(c * len), 100 + step * 1000 + static_cast<std::uint32_t>(e));
-            const auto g = random_vector<double>(static_cast<std::size_t>(c_out * lo), 200 + step * 1000 + static_cast<std::uint32_t>(e), 0.1);
+            const auto x = random_vector<double>(elements(in_tail), seed + static_cast<std::uint32_t>(e));
+            const auto g = random_vector<double>(elements(out_tail), seed + 100 + static_cast<std::uint32_t>(e), 0.1);
             l.input.insert(l.input.end(), x.begin(), x.end());
             l.grad_output.insert(l.grad_output.end(), g.begin(), g.end());
         }
-        l.input_shape = {count, c, len};
-        l.output_shape = {count, c_out, lo};
+        in_tail.insert(in_tail.begin(), count);
+        out_tail.insert(out_tail.begin(), count);
+        l.input_shape = in_tail;
+        l.output_shape = out_tail;
     };
-    auto seq_data = [&](std::int64_t first, std::int64_t count, owned_layer<double>& l, std::uint32_t step) {
-        l.input.clear();
-        l.grad_output.clear();
-        for (std::int64_t e = first; e < first + count; ++e) {
-            const auto x = random_vector<double>(static_cast<std::size_t>(r * in), 300 + step * 1000 + static_cast<std::uint32_t>(e));
-            const auto g = random_vector<double>(static_cast<std::size_t>(r * out), 400 + step * 1000 + static_cast<std::uint32_t>(e), 0.1);
-            l.input.insert(l.input.end(), x.begin(), x.end());
-            l.grad_output.insert(l.grad_output.end(), g.begin(), g.end());
-        }
-        l.input_shape = {count, r, in};
-        l.output_shape = {count, r, out};
+    auto conv_data = [&](std::int64_t from, std::int64_t count, owned_layer<double>& l, std::uint32_t step) {
+        fill_examples(l, from, count, 1000 * step + 100, {c, len}, {c_out, lo});
+    };
+    auto seq_data = [&](std::int64_t from, std::int64_t count, owned_layer<double>& l, std::uint32_t step) {
+        fill_examples(l, from, count, 1000 * step + 300, {r, in}, {r, out});
     };
     auto bind_all = [&](owned_layer<double>& conv, owned_layer<double>& seq, std::uint32_t step) {
         conv.grad_weight = random_vector<double>(static_cast<std::size_t>(c_out * c * k), 500 + step, 0.1);
@@ -565,6 +571,60 @@ TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one proc
                           Eigen::Map<const Eigen::VectorXd>(seq_all.grad_weight.data(), static_cast<Eigen::Index>(seq_all.grad_weight.size()))) < 1e-10);
             CHECK(rel_err(Eigen::Map<const Eigen::VectorXd>(seq.grad_bias.data(), static_cast<Eigen::Index>(seq.grad_bias.size())),
                           Eigen::Map<const Eigen::VectorXd>(seq_all.grad_bias.data(), static_cast<Eigen::Index>(seq_all.grad_bias.size()))) < 1e-10);
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("Embedding layers: ranks with different token counts equal one process with all of them",
+                   "[mpi][embedding]", kfac::compute::eigendecomposition, kfac::compute::inverse) {
+    // Rank r holds R_r = 3 + 2r token positions; its statistics weigh by R_r (every token is a
+    // row), so the factors and the preconditioned gradients equal one process's over every
+    // rank's tokens, under KAISA's strategies (the diagonal A travels in the factor allreduce
+    // and, when shared, as its eigenvalues or reciprocals). (DP-KFAC's owner uses its own
+    // tokens only, so it has no one-process equal.)
+    const int world = world_size(), me = world_rank();
+    const std::int64_t v = 13, e = 4;
+    auto positions_of = [](int rank) { return std::int64_t{3} + 2 * rank; };
+    // Position p of the whole batch has the same id and output gradient wherever it is held.
+    auto fill = [&](owned_layer<double>& l, std::int64_t first, std::int64_t count, std::uint32_t step) {
+        l.input.clear();
+        l.grad_output.clear();
+        for (std::int64_t p = first; p < first + count; ++p) {
+            const auto u = random_vector<double>(1, 1000 * step + static_cast<std::uint32_t>(p));  // normal
+            l.input.push_back(std::clamp(std::floor((u[0] + 1.0) / 2.0 * double(v - 1)), 0.0, double(v - 2)));  // never v − 1
+            const auto g = random_vector<double>(static_cast<std::size_t>(e), 5000 * step + static_cast<std::uint32_t>(p), 0.1);
+            l.grad_output.insert(l.grad_output.end(), g.begin(), g.end());
+        }
+        l.input_shape = {count};
+        l.output_shape = {count, e};
+        l.grad_weight = random_vector<double>(static_cast<std::size_t>(v * e), 900 + step, 0.1);
+        l.bind();
+    };
+    std::int64_t first = 0, total = 0;
+    for (int q = 0; q < world; ++q) {
+        if (q < me) first += positions_of(q);
+        total += positions_of(q);
+    }
+    for (double fraction : {kfac::comm_opt, kfac::mem_opt}) {
+        INFO("fraction " << fraction);
+        kfac::options o;
+        o.grad_worker_fraction = fraction;
+        o.damping = 0.01;
+        mpi_kfac<TestType> p(o, kfac::comm::mpi());
+        kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, TestType> whole(o);
+        owned_layer<double> emb, emb_all;
+        for (auto* l : {&emb, &emb_all}) l->view.description = kfac::embedding_description(v, e);
+        p.register_layer("emb", emb.view);
+        whole.register_layer("emb", emb_all.view);
+        for (std::uint32_t step = 0; step < 2; ++step) {
+            fill(emb, first, positions_of(me), step);
+            fill(emb_all, 0, total, step);
+            p.step();
+            whole.step();
+            // Sums in another order: ~1e-15 relative in the factors, amplified by the damped
+            // solve by at most (λ_max + γ)/γ ≈ 10²: 1e-10 bounds it.
+            CHECK(rel_err(Eigen::Map<const Eigen::VectorXd>(emb.grad_weight.data(), static_cast<Eigen::Index>(emb.grad_weight.size())),
+                          Eigen::Map<const Eigen::VectorXd>(emb_all.grad_weight.data(), static_cast<Eigen::Index>(emb_all.grad_weight.size()))) < 1e-10);
         }
     }
 }

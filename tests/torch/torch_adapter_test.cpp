@@ -800,3 +800,76 @@ TEST_CASE("Conv1d modules and reduce Linear layers on sequences precondition lik
     // fc's A factor averages 4 per-example means (reduce), as the views' does.
     CHECK(through_torch.a_factor("fc").isApprox(through_views.a_factor("fc"), tol));
 }
+
+TEST_CASE("Embedding modules precondition like plain views of their token ids", "[torch][embedding]") {
+    // An Embedding (with padding_idx: its row's gradient is zero, and stays zero, A being
+    // diagonal) feeding a Linear applied at every position of [N, L, E].
+    using T = double;
+    torch::manual_seed(37);
+    const std::int64_t vocabulary = 10, width = 4;
+    auto emb = nn::Embedding(nn::EmbeddingOptions(vocabulary, width).padding_idx(0));
+    auto fc = nn::Linear(width, 3);
+    auto model = nn::Sequential();
+    model->push_back("emb", emb);
+    model->push_back("fc", fc);
+    model->to(torch::kDouble);
+
+    kfac::options opts;
+    opts.damping = 0.01;
+    opts.threads = 1;
+    using precond_t = kfac::KFAC<kfac::backend::cpu_eigen<T>>;
+    kfac::torch::tracker<T> tracker;
+    precond_t through_torch(opts), through_views(opts);
+    const auto report = kfac::torch::register_modules(through_torch, tracker, model);
+    CHECK(report.registered == std::vector<std::string>{"emb", "fc"});
+    CHECK(through_torch.layers()[0].kind == kfac::layer_kind::embedding);
+
+    std::vector<copied_layer<T>> copies(2);
+    copies[0].view.description = kfac::embedding_description(vocabulary, width);
+    copies[1].view.description = kfac::linear_description(width, 3, true);
+    through_views.register_layer("emb", copies[0].view);
+    through_views.register_layer("fc", copies[1].view);
+    const double tol = 1024.0 * std::numeric_limits<T>::epsilon();  // as in the first test of this file
+    for (int step = 0; step < 3; ++step) {
+        INFO("step " << step);
+        const auto ids = torch::randint(0, vocabulary, {5, 6}, torch::kLong);
+        const auto target = torch::randint(0, 3, {5}, torch::kLong);
+        model->zero_grad();
+        auto e = emb(ids);
+        e.retain_grad();
+        auto o = fc(e);
+        o.retain_grad();
+        F::cross_entropy(o.mean(1), target).backward();
+        copies[0].set_statistics(ids.to(torch::kDouble), e.grad());
+        copies[1].set_statistics(e, o.grad());
+        copies[0].set_gradients(emb->weight, torch::Tensor());
+        copies[1].set_gradients(fc->weight, fc->bias);
+        CHECK(torch::equal(tracker.layer("emb").input(), ids.to(torch::kDouble)));
+        CHECK(to_vector<T>(emb->weight.grad()[0]) == std::vector<T>(width, 0.0));
+        through_torch.step();
+        through_views.step();
+        CHECK(rel_err<T>(emb->weight.grad(), copies[0].grad_weight) <= tol);
+        CHECK(rel_err<T>(fc->weight.grad(), copies[1].grad_weight) <= tol);
+        CHECK(to_vector<T>(emb->weight.grad()[0]) == std::vector<T>(width, 0.0));  // padding_idx's row
+        torch::NoGradGuard no_grad;
+        for (auto& p : model->parameters()) p.sub_(0.1 * p.grad());
+    }
+}
+
+TEST_CASE("Embeddings whose gradient is not the plain one are left out, by reason", "[torch][embedding][registration]") {
+    auto sparse = nn::Embedding(nn::EmbeddingOptions(8, 3).sparse(true));
+    auto by_freq = nn::Embedding(nn::EmbeddingOptions(8, 3).scale_grad_by_freq(true));
+    auto model = nn::Sequential();
+    model->push_back("sparse", sparse);
+    model->push_back("by_freq", by_freq);
+    kfac::torch::tracker<float> tracker;
+    kfac::KFAC<> precond;
+    const auto report = kfac::torch::register_modules(precond, tracker, model);
+    CHECK(report.registered.empty());
+    REQUIRE(report.not_preconditioned.size() == 2);
+    CHECK_THAT(report.not_preconditioned[0].reason, Catch::Contains("sparse = true"));
+    CHECK_THAT(report.not_preconditioned[1].reason, Catch::Contains("scale_grad_by_freq = true"));
+    CHECK_THROWS_WITH(tracker.track("by_freq", by_freq), Catch::Contains("layer 'by_freq' (torch::nn::Embedding)") &&
+                                                             Catch::Contains("scale_grad_by_freq"));
+    CHECK(tracker.size() == 0);
+}

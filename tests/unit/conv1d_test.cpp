@@ -13,21 +13,6 @@ namespace {
 template <class T>
 using backend = kfac::backend::cpu_eigen<T>;
 
-/// A statistic as the preconditioner computes it (views reshaped by statistic_view), mirrored.
-template <class T>
-mat<T> statistic(const kfac::layer_description& d, const std::vector<T>& x, std::vector<std::int64_t> shape, bool a_side,
-                 kfac::conv_patch_mode mode) {
-    const auto n = a_side ? d.a_dim() : d.g_dim();
-    mat<T> sum = mat<T>::Constant(n, n, std::numeric_limits<T>::quiet_NaN());
-    typename backend<T>::workspace ws;
-    const auto view = kfac::detail::statistic_view(d, kfac::tensor_view<const T>::from_extents(x.data(), shape));
-    if (a_side) backend<T>::accumulate_a_statistic(sum, d, view, mode, T(0), ws);
-    else backend<T>::accumulate_g_statistic(sum, d, view, T(0), ws);
-    mat<T> f = mat<T>::Zero(n, n);
-    backend<T>::running_average(f, sum, T(0), T(1));
-    return f;
-}
-
 }  // namespace
 
 TEMPLATE_TEST_CASE("conv1d statistics match the 1-D patch definition", "[statistics][conv1d]", float, double) {
@@ -50,7 +35,7 @@ TEMPLATE_TEST_CASE("conv1d statistics match the 1-D patch definition", "[statist
         const auto d = kfac::conv1d_description(cc.c, cc.c_out, cc.g, cc.bias);
         REQUIRE(d.a_dim() == cc.c * cc.g.kernel + (cc.bias ? 1 : 0));
         const auto x = random_vector<T>(static_cast<std::size_t>(cc.n * cc.c * cc.len), 20 + static_cast<std::uint32_t>(idx));
-        const mat<T> A = statistic(d, x, {cc.n, cc.c, cc.len}, true, cc.mode);
+        const mat<T> A = factor_statistic(d, x, {cc.n, cc.c, cc.len}, factor_side::a, cc.mode);
 
         // Definition: patch x̃_{n,j}[c·k + v] = x[n, c, j·s + v·δ − p] (0 outside), δ the
         // dilation the patches use, ones last; A = Σ x̃ x̃ᵀ / (N·L³) over the L patch positions.
@@ -75,7 +60,7 @@ TEMPLATE_TEST_CASE("conv1d statistics match the 1-D patch definition", "[statist
         // G over the true output positions (dilation always applies there): Σ g gᵀ / (N·L³).
         const std::int64_t lg = kfac::conv_output_extent(cc.len, cc.g.kernel, cc.g.stride, cc.g.padding, cc.g.dilation);
         const auto g = random_vector<T>(static_cast<std::size_t>(cc.n * cc.c_out * lg), 60 + static_cast<std::uint32_t>(idx));
-        const mat<T> G = statistic(d, g, {cc.n, cc.c_out, lg}, false, cc.mode);
+        const mat<T> G = factor_statistic(d, g, {cc.n, cc.c_out, lg}, factor_side::g, cc.mode);
         mat<double> g_ref = mat<double>::Zero(cc.c_out, cc.c_out);
         for (std::int64_t n = 0; n < cc.n; ++n)
             for (std::int64_t j = 0; j < lg; ++j) {

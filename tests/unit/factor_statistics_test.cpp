@@ -12,34 +12,13 @@ namespace {
 template <class T>
 using backend = kfac::backend::cpu_eigen<T>;
 
-template <class T>
-mat<T> a_statistic(const kfac::layer_description& d, const std::vector<T>& a, std::initializer_list<std::int64_t> shape,
-                   kfac::conv_patch_mode mode = kfac::conv_patch_mode::reference) {
-    mat<T> sum = mat<T>::Constant(d.a_dim(), d.a_dim(), std::numeric_limits<T>::quiet_NaN());
-    typename backend<T>::workspace ws;
-    backend<T>::accumulate_a_statistic(sum, d, kfac::tensor_view<const T>(a.data(), shape), mode, T(0), ws);
-    mat<T> f = mat<T>::Zero(d.a_dim(), d.a_dim());
-    backend<T>::running_average(f, sum, T(0), T(1));  // mirrors the lower triangle
-    return f;
-}
-
-template <class T>
-mat<T> g_statistic(const kfac::layer_description& d, const std::vector<T>& g, std::initializer_list<std::int64_t> shape) {
-    mat<T> sum = mat<T>::Constant(d.g_dim(), d.g_dim(), std::numeric_limits<T>::quiet_NaN());
-    typename backend<T>::workspace ws;
-    backend<T>::accumulate_g_statistic(sum, d, kfac::tensor_view<const T>(g.data(), shape), T(0), ws);
-    mat<T> f = mat<T>::Zero(d.g_dim(), d.g_dim());
-    backend<T>::running_average(f, sum, T(0), T(1));
-    return f;
-}
-
 }  // namespace
 
 TEST_CASE("covariance of a small matrix (kfac-pytorch's get_cov values)", "[statistics]") {
     // cov(M) = Mᵀ M / rows for M = [[1,2,3],[4,5,6],[7,8,9]]: 3·[[22,26,30],[26,31,36],[30,36,42]] / 3.
     const std::vector<double> m = {1, 2, 3, 4, 5, 6, 7, 8, 9};
     const auto d = kfac::linear_description(3, 3, false);
-    const mat<double> a = a_statistic(d, m, {3, 3});
+    const mat<double> a = factor_statistic(d, m, {3, 3}, factor_side::a);
     mat<double> expected(3, 3);
     expected << 22, 26, 30, 26, 31, 36, 30, 36, 42;
     CHECK(rel_err(a.reshaped(), expected.reshaped()) < 10 * eps<double>());
@@ -51,7 +30,7 @@ TEST_CASE("conv statistics of a worked example", "[statistics]") {
     // with output gradient [[1,2],[3,4]]: G = 30 / 64.
     const std::vector<double> x = {1, 2, 3, 4, 5, 6, 7, 8, 9};
     const auto d = kfac::conv2d_description(1, 1, {{2, 2}, {1, 1}, {0, 0}, {1, 1}, 1}, true);
-    const mat<double> a = a_statistic(d, x, {1, 1, 3, 3});
+    const mat<double> a = factor_statistic(d, x, {1, 1, 3, 3}, factor_side::a);
     CHECK(a(0, 0) == Approx(0.71875).epsilon(1e-15));
     CHECK(a(1, 1) == Approx(1.15625).epsilon(1e-15));
     CHECK(a(2, 2) == Approx(2.40625).epsilon(1e-15));
@@ -60,7 +39,7 @@ TEST_CASE("conv statistics of a worked example", "[statistics]") {
     CHECK(a(0, 4) == Approx(0.1875).epsilon(1e-15));
     CHECK(a(4, 0) == a(0, 4));
     const std::vector<double> g = {1, 2, 3, 4};
-    const mat<double> gf = g_statistic(d, g, {1, 1, 2, 2});
+    const mat<double> gf = factor_statistic(d, g, {1, 1, 2, 2}, factor_side::g);
     CHECK(gf(0, 0) == Approx(30.0 / 64.0).epsilon(1e-15));
 }
 
@@ -73,8 +52,8 @@ TEMPLATE_TEST_CASE("linear statistics match the naive formula", "[statistics]", 
         const auto a = random_vector<T>(static_cast<std::size_t>(rows * in), 1);
         const auto g = random_vector<T>(static_cast<std::size_t>(rows * out), 2);
         const auto d = kfac::linear_description(in, out, bias);
-        const mat<T> A = a_statistic(d, a, {2, 5, in});
-        const mat<T> G = g_statistic(d, g, {2, 5, out});
+        const mat<T> A = factor_statistic(d, a, {2, 5, in}, factor_side::a);
+        const mat<T> G = factor_statistic(d, g, {2, 5, out}, factor_side::g);
 
         mat<double> x = mat<double>::Ones(rows, d.a_dim());
         x.leftCols(in) = Eigen::Map<const row_mat<T>>(a.data(), rows, in).template cast<double>();
@@ -107,7 +86,7 @@ TEMPLATE_TEST_CASE("conv statistics match the naive formula", "[statistics]", fl
         INFO("case " << idx);
         const auto d = kfac::conv2d_description(cc.c, cc.c_out, cc.g, cc.bias);
         const auto a = random_vector<T>(static_cast<std::size_t>(cc.n * cc.c * cc.h * cc.w), 3 + static_cast<std::uint32_t>(idx));
-        const mat<T> A = a_statistic(d, a, {cc.n, cc.c, cc.h, cc.w}, cc.mode);
+        const mat<T> A = factor_statistic(d, a, {cc.n, cc.c, cc.h, cc.w}, factor_side::a, cc.mode);
 
         // Naive: every patch as a row (with the grid the mode implies), ones column last.
         const std::int64_t dh = cc.mode == kfac::conv_patch_mode::dilated ? cc.g.dilation[0] : 1;
@@ -137,7 +116,7 @@ TEMPLATE_TEST_CASE("conv statistics match the naive formula", "[statistics]", fl
         const std::int64_t gwo = kfac::conv_output_extent(cc.w, cc.g.kernel[1], cc.g.stride[1], cc.g.padding[1], cc.g.dilation[1]);
         const std::int64_t sg = gho * gwo;
         const auto g = random_vector<T>(static_cast<std::size_t>(cc.n * cc.c_out * sg), 50 + static_cast<std::uint32_t>(idx));
-        const mat<T> G = g_statistic(d, g, {cc.n, cc.c_out, gho, gwo});
+        const mat<T> G = factor_statistic(d, g, {cc.n, cc.c_out, gho, gwo}, factor_side::g);
         mat<double> y(cc.n * sg, cc.c_out);
         for (std::int64_t n = 0; n < cc.n; ++n)
             for (std::int64_t o = 0; o < cc.c_out; ++o)
@@ -160,7 +139,7 @@ TEMPLATE_TEST_CASE("accumulating statistics with beta adds them", "[statistics]"
     backend<T>::running_average(f, sum, T(0), T(0.5));
     std::vector<T> both(a1);
     both.insert(both.end(), a2.begin(), a2.end());
-    const mat<T> whole = a_statistic(d, both, {16, 5});
+    const mat<T> whole = factor_statistic(d, both, {16, 5}, factor_side::a);
     // Mean of two 8-row covariances = covariance of the 16 rows.
     CHECK(rel_err(f.reshaped(), whole.reshaped()) < 64 * eps<T>());
 }

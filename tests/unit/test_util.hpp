@@ -46,6 +46,29 @@ using mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
 template <class T>
 using row_mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
+enum class factor_side { a, g };
+
+/// One batch's A or G statistic of `x` (shaped `shape`) as the preconditioner computes it on
+/// the CPU backend (views reshaped by statistic_view), mirrored into a full matrix (a diagonal
+/// factor's column made the diagonal matrix it stands for).
+template <class T>
+mat<T> factor_statistic(const kfac::layer_description& d, const std::vector<T>& x, const std::vector<std::int64_t>& shape,
+                        factor_side side, kfac::conv_patch_mode mode = kfac::conv_patch_mode::reference) {
+    using backend = kfac::backend::cpu_eigen<T>;
+    const bool a = side == factor_side::a;
+    const auto n = a ? d.a_dim() : d.g_dim();
+    const auto cols = a ? d.a_storage_cols() : n;
+    mat<T> sum = mat<T>::Constant(n, cols, std::numeric_limits<T>::quiet_NaN());
+    typename backend::workspace ws;
+    const auto view = kfac::detail::statistic_view(d, kfac::tensor_view<const T>::from_extents(x.data(), shape));
+    if (a) backend::accumulate_a_statistic(sum, d, view, mode, T(0), ws);
+    else backend::accumulate_g_statistic(sum, d, view, T(0), ws);
+    mat<T> f = mat<T>::Zero(n, cols);
+    backend::running_average(f, sum, T(0), T(1));  // mirrors the lower triangle
+    if (cols == n) return f;
+    return f.col(0).asDiagonal();
+}
+
 /// Owns the buffers of one layer and exposes them as a kfac::layer_view.
 template <class T>
 struct owned_layer {
@@ -59,6 +82,8 @@ struct owned_layer {
         const auto& d = view.description;
         if (d.kind == kfac::layer_kind::linear)
             view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.in});
+        else if (d.kind == kfac::layer_kind::embedding)
+            view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.in, d.out});
         else
             view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});
         view.grad_bias = d.bias ? kfac::tensor_view<T>(grad_bias.data(), {d.out}) : kfac::tensor_view<T>{};

@@ -14,20 +14,6 @@ namespace {
 template <class T>
 using backend = kfac::backend::cpu_eigen<T>;
 
-template <class T>
-mat<T> statistic(const kfac::layer_description& d, const std::vector<T>& x, std::vector<std::int64_t> shape, bool a_side,
-                 kfac::conv_patch_mode mode = kfac::conv_patch_mode::reference) {
-    const auto n = a_side ? d.a_dim() : d.g_dim();
-    mat<T> sum = mat<T>::Constant(n, n, std::numeric_limits<T>::quiet_NaN());
-    typename backend<T>::workspace ws;
-    const auto view = kfac::detail::statistic_view(d, kfac::tensor_view<const T>::from_extents(x.data(), shape));
-    if (a_side) backend<T>::accumulate_a_statistic(sum, d, view, mode, T(0), ws);
-    else backend<T>::accumulate_g_statistic(sum, d, view, T(0), ws);
-    mat<T> f = mat<T>::Zero(n, n);
-    backend<T>::running_average(f, sum, T(0), T(1));
-    return f;
-}
-
 /// (1/N) Σ_n v_n v_nᵀ over the columns v_n of V.
 mat<double> mean_outer(const mat<double>& v) { return v * v.transpose() / double(v.cols()); }
 
@@ -41,8 +27,8 @@ TEMPLATE_TEST_CASE("linear reduce factors match their definition", "[statistics]
         const auto d = kfac::with_sharing(kfac::linear_description(in, out, bias), kfac::weight_sharing::reduce);
         const auto a = random_vector<T>(static_cast<std::size_t>(n * r * in), 1);
         const auto g = random_vector<T>(static_cast<std::size_t>(n * r * out), 2);
-        const mat<T> A = statistic(d, a, {n, r, in}, true);
-        const mat<T> G = statistic(d, g, {n, r, out}, false);
+        const mat<T> A = factor_statistic(d, a, {n, r, in}, factor_side::a);
+        const mat<T> G = factor_statistic(d, g, {n, r, out}, factor_side::g);
 
         // ā_n = (1/R) Σ_r [a_{n,r}; 1], ĝ_n = Σ_r g_{n,r}; A = (1/N) Σ ā āᵀ, G = (1/N) Σ ĝ ĝᵀ.
         mat<double> abar = mat<double>::Zero(d.a_dim(), n), gsum = mat<double>::Zero(out, n);
@@ -86,7 +72,7 @@ TEMPLATE_TEST_CASE("convolution reduce factors match their definition", "[statis
         const bool one_d = d.kind == kfac::layer_kind::conv1d;
         const auto x = random_vector<T>(static_cast<std::size_t>(n * c * cc.h * cc.w), 3 + static_cast<std::uint32_t>(idx));
         std::vector<std::int64_t> x_shape = one_d ? std::vector<std::int64_t>{n, c, cc.w} : std::vector<std::int64_t>{n, c, cc.h, cc.w};
-        const mat<T> A = statistic(d, x, x_shape, true, cc.mode);
+        const mat<T> A = factor_statistic(d, x, x_shape, factor_side::a, cc.mode);
 
         // ā_n = (1/S) Σ_s x̃_{n,s}: the mean patch (zero padding included), ones last.
         const std::int64_t dh = cc.mode == kfac::conv_patch_mode::dilated ? geo.dilation[0] : 1;
@@ -116,7 +102,7 @@ TEMPLATE_TEST_CASE("convolution reduce factors match their definition", "[statis
         const std::int64_t gw = kfac::conv_output_extent(cc.w, geo.kernel[1], geo.stride[1], geo.padding[1], geo.dilation[1]);
         const auto gv = random_vector<T>(static_cast<std::size_t>(n * c_out * gh * gw), 40 + static_cast<std::uint32_t>(idx));
         std::vector<std::int64_t> g_shape = one_d ? std::vector<std::int64_t>{n, c_out, gw} : std::vector<std::int64_t>{n, c_out, gh, gw};
-        const mat<T> G = statistic(d, gv, g_shape, false);
+        const mat<T> G = factor_statistic(d, gv, g_shape, factor_side::g);
         mat<double> gsum = mat<double>::Zero(c_out, n);
         for (std::int64_t e = 0; e < n; ++e)
             for (std::int64_t o = 0; o < c_out; ++o)
@@ -150,8 +136,8 @@ TEST_CASE("reduce is exact where the paper says: one example of a pooled linear 
 
     for (auto sharing : {kfac::weight_sharing::reduce, kfac::weight_sharing::expand}) {
         const auto d = kfac::with_sharing(kfac::linear_description(in, out, false), sharing);
-        const mat<T> A = statistic(d, x, {1, r, in}, true);
-        const mat<T> G = statistic(d, g, {1, r, out}, false);
+        const mat<T> A = factor_statistic(d, x, {1, r, in}, factor_side::a);
+        const mat<T> G = factor_statistic(d, g, {1, r, out}, factor_side::g);
         mat<double> kron(in * out, in * out);
         for (std::int64_t a = 0; a < out; ++a)
             for (std::int64_t b = 0; b < out; ++b) kron.block(a * in, b * in, in, in) = G(a, b) * A;

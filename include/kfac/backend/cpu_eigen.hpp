@@ -55,6 +55,9 @@
 /// ```
 /// Returning false from symmetric_eigen / damped_inverse means "no usable result"; the
 /// preconditioner then keeps the previous second-order data.
+/// Optional: the members of kfac/backend/diagonal_factors.hpp (Embedding layers), with which
+/// running_average, scale_symmetric and lower_all_finite also take a diagonal factor's
+/// n × 1 column, and accumulate_a_statistic writes one.
 
 #include <algorithm>
 #include <cstdint>
@@ -69,6 +72,7 @@
 #include "kfac/backend/blas_kernels.hpp"
 #include "kfac/backend/detail/blas_lapack.hpp"
 #include "kfac/config.hpp"
+#include "kfac/detail/statistics_views.hpp"
 #include "kfac/layers/im2col.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/tensor_view.hpp"
@@ -90,6 +94,9 @@ struct cpu_eigen {
     using vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
     using row_major_map = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
                                      0, Eigen::OuterStride<>>;
+    using writable_row_major_map = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+    /// A buffer of one row per example (weight sharing `reduce`).
+    using example_rows = writable_row_major_map;
 
     /// While alive, BLAS calls run single-threaded (the caller runs several at once).
     struct serial_blas_scope {
@@ -114,7 +121,8 @@ struct cpu_eigen {
     /// Scratch kept per layer between calls, so steady-state steps do not allocate.
     struct workspace {
         std::vector<Scalar> patches;
-        std::vector<Scalar> reduced;  ///< one row per example (weight sharing `reduce`)
+        std::vector<Scalar> reduced;       ///< one row per example (weight sharing `reduce`)
+        std::vector<std::int64_t> counts;  ///< occurrences of each token id (Embedding)
     };
 
     /// Factors, second-order data and gradients live in host memory.
@@ -193,9 +201,13 @@ struct cpu_eigen {
                                        tensor_view<const Scalar> a, conv_patch_mode mode,
                                        Scalar beta, workspace& ws) {
         const index cols = d.weight_columns();
+        if (d.kind == layer_kind::embedding) {
+            add_token_frequencies(sum, a, d.in, beta, ws);
+            return;
+        }
         if (d.sharing == weight_sharing::reduce) {
             reduce_inputs(d, a, mode, ws);
-            add_example_gram(sum, d.bias, ws.reduced.data(), examples(d, a), cols, beta);
+            add_example_gram(sum, d.bias, ws.reduced.data(), kfac::detail::examples_in(d, a), cols, beta);
             return;
         }
         if (d.kind == layer_kind::linear) {
@@ -243,10 +255,10 @@ struct cpu_eigen {
         const index out = d.out;
         if (d.sharing == weight_sharing::reduce) {
             reduce_gradients(d, g, ws);
-            add_example_gram(sum, false, ws.reduced.data(), examples(d, g), out, beta);
+            add_example_gram(sum, false, ws.reduced.data(), kfac::detail::examples_in(d, g), out, beta);
             return;
         }
-        if (d.kind == layer_kind::linear) {
+        if (d.kind == layer_kind::linear || d.kind == layer_kind::embedding) {
             const index rows = g.size() / out;
             gram_of_rows(sum.data(), sum.rows(), g.data, rows, out,
                          Scalar(1) / static_cast<Scalar>(rows), beta);
@@ -261,19 +273,28 @@ struct cpu_eigen {
                          spatial, alpha, i == 0 ? beta : Scalar(1));
     }
 
-    /// Examples of one application: dimension 0 of a convolution's views and of a Linear
-    /// layer's [N, positions..., features] views; a rank-1 Linear view is one example.
-    static index examples(const layer_description& d, const tensor_view<const Scalar>& v) {
-        return d.kind == layer_kind::linear && v.rank < 2 ? 1 : v.extent(0);
+    /// The diagonal A statistic of an Embedding (an n × 1 column): sum = beta·sum + c / R, c(v)
+    /// the occurrences of token v among the R ids (the mean of the one-hot rows' outer products,
+    /// which has no off-diagonal term). Counted in integers, so each entry is rounded once.
+    static void add_token_frequencies(matrix& sum, tensor_view<const Scalar> ids, index tokens, Scalar beta,
+                                      workspace& ws) {
+        ws.counts.assign(static_cast<std::size_t>(tokens), 0);
+        const index rows = ids.size();
+        for (index i = 0; i < rows; ++i) ++ws.counts[static_cast<std::size_t>(ids.data[i])];
+        const Scalar alpha = Scalar(1) / static_cast<Scalar>(rows);
+        for (index v = 0; v < tokens; ++v) {
+            const Scalar frequency = alpha * static_cast<Scalar>(ws.counts[static_cast<std::size_t>(v)]);
+            sum(v, 0) = beta == Scalar(0) ? frequency : beta * sum(v, 0) + frequency;  // β = 0 reads nothing
+        }
     }
 
     /// ws.reduced ← ā_n, the mean over positions of example n's inputs (Linear) or patches
     /// (convolutions, zero padding included), one row of weight_columns() per example.
     static void reduce_inputs(const layer_description& d, tensor_view<const Scalar> a, conv_patch_mode mode,
                               workspace& ws) {
-        const index cols = d.weight_columns(), n = examples(d, a);
+        const index cols = d.weight_columns(), n = kfac::detail::examples_in(d, a);
         ws.reduced.resize(static_cast<std::size_t>(n * cols));
-        Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> out(ws.reduced.data(), n, cols);
+        example_rows out(ws.reduced.data(), n, cols);
         if (d.kind == layer_kind::linear) {
             const index positions = a.size() / cols / n;
             row_major_map x(a.data, n * positions, cols, Eigen::OuterStride<>(cols));
@@ -295,9 +316,9 @@ struct cpu_eigen {
 
     /// ws.reduced ← ĝ_n, the sum over positions of example n's output gradients.
     static void reduce_gradients(const layer_description& d, tensor_view<const Scalar> g, workspace& ws) {
-        const index out = d.out, n = examples(d, g);
+        const index out = d.out, n = kfac::detail::examples_in(d, g);
         ws.reduced.resize(static_cast<std::size_t>(n * out));
-        Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> sums(ws.reduced.data(), n, out);
+        example_rows sums(ws.reduced.data(), n, out);
         if (d.kind == layer_kind::linear) {
             const index positions = g.size() / out / n;
             row_major_map y(g.data, n * positions, out, Eigen::OuterStride<>(out));
@@ -419,7 +440,28 @@ struct cpu_eigen {
 
     /// Copies the strict lower triangle into the upper one (Eigen's transposed copy measured
     /// faster here than a hand-tiled loop, bench/README.md).
-    static void mirror_lower(matrix& M) { M.template triangularView<Eigen::StrictlyUpper>() = M.transpose(); }
+    /// A one-column matrix (a diagonal factor's storage, or a 1 × 1 one) has nothing to mirror.
+    static void mirror_lower(matrix& M) {
+        if (M.cols() == 1) return;
+        M.template triangularView<Eigen::StrictlyUpper>() = M.transpose();
+    }
+
+    // Diagonal factors and [in, out] weights (kfac/backend/diagonal_factors.hpp).
+    static void diagonal_values(const matrix& column, vector& values) { values = column.col(0); }
+    static bool damped_reciprocal(const matrix& column, Scalar damping, matrix& out) {
+        out = (column.array() + damping).inverse().matrix();
+        return all_finite(out);
+    }
+    static void scale_rows(matrix& m, const matrix& column) { m.array().colwise() *= column.col(0).array(); }
+    /// gamma ← Γᵀ = the host's [in, out] row-major weight gradient as an in × out matrix.
+    static void load_gradient_transposed(matrix& gamma, tensor_view<const Scalar> w) {
+        const index rows = w.extent(0), cols = w.extent(1);
+        gamma = row_major_map(w.data, rows, cols, Eigen::OuterStride<>(cols));
+    }
+    static void store_gradient_transposed(const matrix& pt, Scalar scale, tensor_view<Scalar> w) {
+        const index rows = w.extent(0), cols = w.extent(1);
+        writable_row_major_map(w.data, rows, cols) = scale * pt;
+    }
 
     static double frobenius_dot(const matrix& X, const matrix& Y) {
         double s = 0.0;

@@ -9,8 +9,9 @@
 ///   struct factor_data;                 // second-order data of one factor
 ///   struct layer_data { factor_data a, g; ... };   // plus per-layer extras
 ///   struct workspace;                   // scratch reused between steps
-///   // Second-order data of one factor from the running factor F; false keeps the old one.
-///   static bool compute_factor(const matrix& F, double damping, factor_data& out);
+///   // Second-order data of one factor from the running factor F (stored as `structure`
+///   // says, kfac/layers/layer_description.hpp); false keeps the old one.
+///   static bool compute_factor(const matrix& F, factor_structure, double damping, factor_data& out);
 ///   // Per-layer extras once both factors are current (e.g. the eigenvalue outer product).
 ///   static void finalize_layer(layer_data&, double damping, const options&);
 ///   // Pᵀ from Γᵀ (both A_dim × G_dim: the backend keeps gradients transposed) with the
@@ -21,28 +22,31 @@
 ///   // rank that computed it to the others, in a fixed order; f(scalar* data, size_t count).
 ///   template <class F> static void for_each_payload(layer_data&, char side, F&& f);
 ///   // Sizes a receiver's layer_data so the payload buffers can be received in place.
-///   static void prepare_receive(layer_data&, index a_dim, index g_dim, const options&);
+///   static void prepare_receive(layer_data&, const layer_description&, const options&);
 ///   // Checkpoints: every tensor of a layer's data, f(const char* name, matrix-or-vector&,
 ///   // int tensor_rank), in a fixed order (empty ones included), and the sizes of a layer's
 ///   // full data as the rank that computed it holds it, ready to be read into.
 ///   template <class LayerData, class F> static void for_each_tensor(LayerData&, F&& f);
-///   static void prepare_full(layer_data&, index a_dim, index g_dim, const options&);
+///   static void prepare_full(layer_data&, const layer_description&, const options&);
 ///   // Data of the identity factor, for a rank whose first decomposition failed.
-///   static void identity_data(layer_data&, index a_dim, index g_dim, double damping, const options&);
+///   static void identity_data(layer_data&, const layer_description&, double damping, const options&);
 /// ```
 
 #include <cstddef>
 #include <cstdint>
 #include <utility>
 
+#include "kfac/backend/diagonal_factors.hpp"
 #include "kfac/detail/compute_impl.hpp"
+#include "kfac/layers/layer_description.hpp"
 #include "kfac/options.hpp"
 
 namespace kfac {
 namespace compute {
 
 /// Eigendecomposition method: F = Q diag(λ) Qᵀ with λ clamped at 0; damping is added to the
-/// product λ_G λ_A (not to each factor).
+/// product λ_G λ_A (not to each factor). A diagonal factor is its own decomposition: Q = I
+/// (never formed), λ its diagonal.
 struct eigendecomposition {
     static constexpr const char* name = "eigendecomposition";
 };
@@ -58,8 +62,9 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     using scalar = typename Backend::scalar_type;
 
     struct factor_data {
-        matrix q;
+        matrix q;  ///< empty for a diagonal factor, whose eigenvectors are the identity
         vector lambda;
+        bool diagonal = false;
     };
     struct layer_data {
         factor_data a, g;
@@ -70,9 +75,15 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         matrix t1, t2;
     };
 
-    static bool compute_factor(const matrix& F, double /*damping*/, factor_data& out) {
+    static bool compute_factor(const matrix& F, factor_structure structure, double /*damping*/, factor_data& out) {
         factor_data next;
-        if (!Backend::symmetric_eigen(F, next.q, next.lambda)) return false;
+        next.diagonal = structure == factor_structure::diagonal;
+        if (next.diagonal) {
+            if constexpr (backend_with_diagonal_factors<Backend>) Backend::diagonal_values(F, next.lambda);
+            else return false;  // not reached: registration refuses the layer on such a backend
+        } else if (!Backend::symmetric_eigen(F, next.q, next.lambda)) {
+            return false;
+        }
         Backend::clamp_nonnegative(next.lambda);
         out = std::move(next);
         return true;
@@ -87,10 +98,13 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         Backend::inverse_eigen_product(l.a.lambda, l.g.lambda, static_cast<scalar>(damping), l.inverse_eigen_product);
     }
 
-    /// A side: Q_A, then λ_A unless D is precomputed. G side: Q_G, then D or λ_G.
+    /// A side: Q_A (none when A is diagonal), then λ_A unless D is precomputed. G side: Q_G,
+    /// then D or λ_G.
     template <class F>
     static void for_each_payload(layer_data& l, char side, F&& f) {
-        auto send = [&](auto& m) { f(m.data(), static_cast<std::size_t>(m.size())); };
+        auto send = [&](auto& m) {
+            if (m.size() != 0) f(m.data(), static_cast<std::size_t>(m.size()));
+        };
         if (side == 'A') {
             send(l.a.q);
             if (!l.has_product) send(l.a.lambda);
@@ -101,9 +115,11 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         }
     }
 
-    static void prepare_receive(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, const options& o) {
+    static void prepare_receive(layer_data& l, const layer_description& d, const options& o) {
+        const auto a_dim = d.a_dim(), g_dim = d.g_dim();
         l.has_product = o.compute_eigenvalue_outer_product;
-        l.a.q.resize(a_dim, a_dim);
+        l.a.diagonal = d.a_structure() == factor_structure::diagonal;
+        l.a.q.resize(l.a.diagonal ? 0 : a_dim, l.a.diagonal ? 0 : a_dim);
         l.g.q.resize(g_dim, g_dim);
         l.a.lambda.resize(l.has_product ? 0 : a_dim);
         l.g.lambda.resize(l.has_product ? 0 : g_dim);
@@ -120,32 +136,42 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     }
 
     /// The rank that computes both factors holds the eigenvalues too, with or without D.
-    static void prepare_full(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, const options& o) {
-        prepare_receive(l, a_dim, g_dim, o);
-        l.a.lambda.resize(a_dim);
-        l.g.lambda.resize(g_dim);
+    static void prepare_full(layer_data& l, const layer_description& d, const options& o) {
+        prepare_receive(l, d, o);
+        l.a.lambda.resize(d.a_dim());
+        l.g.lambda.resize(d.g_dim());
     }
 
-    static void identity_data(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, double damping, const options& o) {
-        l.a.q = Backend::identity(a_dim);
-        l.g.q = Backend::identity(g_dim);
-        l.a.lambda = Backend::ones(a_dim);
-        l.g.lambda = Backend::ones(g_dim);
+    static void identity_data(layer_data& l, const layer_description& d, double damping, const options& o) {
+        l.a.diagonal = d.a_structure() == factor_structure::diagonal;
+        l.a.q = l.a.diagonal ? matrix{} : Backend::identity(d.a_dim());
+        l.g.q = Backend::identity(d.g_dim());
+        l.a.lambda = Backend::ones(d.a_dim());
+        l.g.lambda = Backend::ones(d.g_dim());
         finalize_layer(l, damping, o);
     }
 
     /// On transposes (gamma_t = Γᵀ, P_t = Pᵀ), so the host's row-major Γ needs no copy-transpose:
-    /// Vᵀ = Q_Aᵀ Γᵀ Q_G, V'ᵀ = Vᵀ ⊘ (λ_A λ_Gᵀ + γ), Pᵀ = Q_A V'ᵀ Q_Gᵀ.
+    /// Vᵀ = Q_Aᵀ Γᵀ Q_G, V'ᵀ = Vᵀ ⊘ (λ_A λ_Gᵀ + γ), Pᵀ = Q_A V'ᵀ Q_Gᵀ (Q_A = I when A is
+    /// diagonal: its two products are skipped).
     static void precondition(const layer_data& l, const matrix& gamma_t, double damping,
                              const options&, workspace& w, matrix& p_t) {
-        Backend::multiply(l.a.q, true, gamma_t, false, w.t1);  // Q_Aᵀ Γᵀ
-        Backend::multiply(w.t1, false, l.g.q, false, w.t2);    // (Q_Aᵀ Γᵀ) Q_G
+        const matrix* v = &w.t2;
+        if (l.a.diagonal) {
+            Backend::multiply(gamma_t, false, l.g.q, false, w.t2);  // Γᵀ Q_G
+        } else {
+            Backend::multiply(l.a.q, true, gamma_t, false, w.t1);  // Q_Aᵀ Γᵀ
+            Backend::multiply(w.t1, false, l.g.q, false, w.t2);    // (Q_Aᵀ Γᵀ) Q_G
+        }
         if (l.has_product)
             Backend::multiply_elementwise(w.t2, l.inverse_eigen_product);
         else
             Backend::divide_by_eigen_product(w.t2, l.a.lambda, l.g.lambda, static_cast<scalar>(damping));
-        Backend::multiply(l.a.q, false, w.t2, false, w.t1);  // Q_A V'ᵀ
-        Backend::multiply(w.t1, false, l.g.q, true, p_t);    // (Q_A V'ᵀ) Q_Gᵀ
+        if (!l.a.diagonal) {
+            Backend::multiply(l.a.q, false, w.t2, false, w.t1);  // Q_A V'ᵀ
+            v = &w.t1;
+        }
+        Backend::multiply(*v, false, l.g.q, true, p_t);  // (Q_A V'ᵀ) Q_Gᵀ
     }
 };
 

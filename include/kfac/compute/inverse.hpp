@@ -8,13 +8,16 @@
 #include <cstdint>
 #include <utility>
 
+#include "kfac/backend/diagonal_factors.hpp"
 #include "kfac/detail/compute_impl.hpp"
+#include "kfac/layers/layer_description.hpp"
 #include "kfac/options.hpp"
 
 namespace kfac {
 namespace compute {
 
-/// Inverse method: P = (G + γI)⁻¹ Γ (A + γI)⁻¹, the full γ added to each factor.
+/// Inverse method: P = (G + γI)⁻¹ Γ (A + γI)⁻¹, the full γ added to each factor. A diagonal
+/// factor's inverse is its n reciprocals 1/(a_i + γ), kept as a column.
 struct inverse {
     static constexpr const char* name = "inverse";
 };
@@ -29,7 +32,8 @@ struct compute_impl<compute::inverse, Backend> {
     using scalar = typename Backend::scalar_type;
 
     struct factor_data {
-        matrix inverse;
+        matrix inverse;  ///< n × n, or n × 1 (the diagonal) for a diagonal factor
+        bool diagonal = false;
     };
     struct layer_data {
         factor_data a, g;
@@ -38,10 +42,20 @@ struct compute_impl<compute::inverse, Backend> {
         matrix t1;
     };
 
-    static bool compute_factor(const matrix& F, double damping, factor_data& out) {
+    static bool compute_factor(const matrix& F, factor_structure structure, double damping, factor_data& out) {
         matrix next;
-        if (!Backend::damped_inverse(F, static_cast<scalar>(damping), next)) return false;
+        const bool diagonal = structure == factor_structure::diagonal;
+        if (diagonal) {
+            if constexpr (backend_with_diagonal_factors<Backend>) {
+                if (!Backend::damped_reciprocal(F, static_cast<scalar>(damping), next)) return false;
+            } else {
+                return false;  // not reached: registration refuses the layer on such a backend
+            }
+        } else if (!Backend::damped_inverse(F, static_cast<scalar>(damping), next)) {
+            return false;
+        }
         out.inverse = std::move(next);
+        out.diagonal = diagonal;
         return true;
     }
 
@@ -53,33 +67,48 @@ struct compute_impl<compute::inverse, Backend> {
         f(m.data(), static_cast<std::size_t>(m.size()));
     }
 
-    static void prepare_receive(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, const options&) {
-        l.a.inverse.resize(a_dim, a_dim);
-        l.g.inverse.resize(g_dim, g_dim);
+    static void prepare_receive(layer_data& l, const layer_description& d, const options&) {
+        l.a.diagonal = d.a_structure() == factor_structure::diagonal;
+        l.a.inverse.resize(d.a_dim(), d.a_storage_cols());
+        l.g.inverse.resize(d.g_dim(), d.g_dim());
     }
 
+    /// A diagonal factor's inverse is a vector in a checkpoint, as its eigenvalues are.
     template <class LayerData, class F>
     static void for_each_tensor(LayerData& l, F&& f) {
-        f("A.inverse", l.a.inverse, 2);
+        f("A.inverse", l.a.inverse, l.a.diagonal ? 1 : 2);
         f("G.inverse", l.g.inverse, 2);
     }
 
-    static void prepare_full(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, const options& o) {
-        prepare_receive(l, a_dim, g_dim, o);
+    static void prepare_full(layer_data& l, const layer_description& d, const options& o) {
+        prepare_receive(l, d, o);
     }
 
-    static void identity_data(layer_data& l, std::int64_t a_dim, std::int64_t g_dim, double damping, const options&) {
+    static void identity_data(layer_data& l, const layer_description& d, double damping, const options&) {
         // (I + γI)⁻¹ = I / (1 + γ): one division, as Identity / (1 + γ) does per element.
         const scalar diagonal = scalar(1) / static_cast<scalar>(1.0 + damping);
-        l.a.inverse = Backend::scaled_identity(a_dim, diagonal);
-        l.g.inverse = Backend::scaled_identity(g_dim, diagonal);
+        l.a.diagonal = d.a_structure() == factor_structure::diagonal;
+        if (!l.a.diagonal) {
+            l.a.inverse = Backend::scaled_identity(d.a_dim(), diagonal);
+        } else if constexpr (backend_with_diagonal_factors<Backend>) {
+            const matrix ones = Backend::ones(d.a_dim());
+            Backend::damped_reciprocal(ones, static_cast<scalar>(damping), l.a.inverse);
+        }
+        l.g.inverse = Backend::scaled_identity(d.g_dim(), diagonal);
     }
 
-    /// On transposes: Pᵀ = A⁻ Γᵀ G⁻ (both inverses are symmetric).
+    /// On transposes: Pᵀ = A⁻ Γᵀ G⁻ (both inverses are symmetric; a diagonal A⁻ scales rows).
     static void precondition(const layer_data& l, const matrix& gamma_t, double, const options&,
                              workspace& w, matrix& p_t) {
-        Backend::multiply(l.a.inverse, false, gamma_t, false, w.t1);  // A⁻ Γᵀ
-        Backend::multiply(w.t1, false, l.g.inverse, false, p_t);      // (A⁻ Γᵀ) G⁻
+        if (l.a.diagonal) {
+            if constexpr (backend_with_diagonal_factors<Backend>) {
+                w.t1 = gamma_t;
+                Backend::scale_rows(w.t1, l.a.inverse);  // A⁻ Γᵀ
+            }
+        } else {
+            Backend::multiply(l.a.inverse, false, gamma_t, false, w.t1);  // A⁻ Γᵀ
+        }
+        Backend::multiply(w.t1, false, l.g.inverse, false, p_t);  // (A⁻ Γᵀ) G⁻
     }
 };
 

@@ -59,13 +59,14 @@ struct checkpoint_io {
             const auto& place = p.plan_.layers[i];
             const auto& d = l.host.description;
             const int factor_source = place.factor_holders.front();
-            gather(p, l.state.a_factor, d.a_dim(), d.a_dim(), factor_source, writer, a, l.host.name + ".A", 2);
+            gather(p, l.state.a_factor, d.a_dim(), d.a_storage_cols(), factor_source, writer, a, l.host.name + ".A",
+                   a_factor_rank(d));
             gather(p, l.state.g_factor, d.g_dim(), d.g_dim(), factor_source, writer, a, l.host.name + ".G", 2);
             if (!second) continue;
             // Every rank walks the same list of tensors: the source its own data, the others
             // empty stand-ins of the same sizes.
             typename method::layer_data expected{};
-            method::prepare_full(expected, d.a_dim(), d.g_dim(), p.options_);
+            method::prepare_full(expected, d, p.options_);
             const bool source = p.comm_.rank() == place.g_worker;
             std::vector<std::pair<const char*, std::pair<std::int64_t, std::int64_t>>> shapes;
             method::for_each_tensor(expected, [&](const char* name, const auto& x, int) {
@@ -93,6 +94,11 @@ struct checkpoint_io {
         if (!writer) return std::nullopt;
         describe(p, o, a);
         return a;
+    }
+
+    /// A diagonal A factor is saved as the vector of its diagonal.
+    static int a_factor_rank(const layer_description& d) {
+        return d.a_structure() == factor_structure::diagonal ? 1 : 2;
     }
 
     /// One tensor onto rank 0, from `source` (a broadcast when the source is another rank).
@@ -209,18 +215,18 @@ struct checkpoint_io {
         for (const auto& l : p.layers_) {
             const auto& d = l.host.description;
             const auto& name = l.host.name;
-            const auto* ta = take(name, name + ".A", {d.a_dim(), d.a_dim()});
+            const auto* ta = take(name, name + ".A", checkpoint::stored_shape(d.a_dim(), d.a_storage_cols(), a_factor_rank(d)));
             const auto* tg = take(name, name + ".G", {d.g_dim(), d.g_dim()});
             auto& fa = s.a_factor.emplace_back();
             auto& fg = s.g_factor.emplace_back();
             if (l.role.holds_factors) {
-                fa = to_storage(*ta, d.a_dim(), d.a_dim());
+                fa = to_storage(*ta, d.a_dim(), d.a_storage_cols());
                 fg = to_storage(*tg, d.g_dim(), d.g_dim());
             }
             auto& second = s.second.emplace_back();
             if (!file_has_second) continue;
             typename method::layer_data data{};
-            method::prepare_full(data, d.a_dim(), d.g_dim(), p.options_);
+            method::prepare_full(data, d, p.options_);
             const bool mine = use_file_second && l.role.grad_worker;
             method::for_each_tensor(data, [&](const char* suffix, auto& x, int rank) {
                 const auto rows = static_cast<std::int64_t>(x.rows()), cols = static_cast<std::int64_t>(x.cols());

@@ -72,9 +72,17 @@ inline void check_description(const std::string& name, const layer_description& 
     if (d.sharing != weight_sharing::expand && d.sharing != weight_sharing::reduce)
         throw error(who + ": description.sharing holds " + std::to_string(static_cast<int>(d.sharing)) +
                     ", which is not a kfac::weight_sharing; use weight_sharing::expand or ::reduce");
-    if (d.kind != layer_kind::linear && d.kind != layer_kind::conv2d && d.kind != layer_kind::conv1d)
+    if (d.kind != layer_kind::linear && d.kind != layer_kind::conv2d && d.kind != layer_kind::conv1d &&
+        d.kind != layer_kind::embedding)
         throw error(who + ": description.kind holds " + std::to_string(static_cast<int>(d.kind)) +
                     ", which is not a kfac::layer_kind");
+    if (d.kind == layer_kind::embedding) {
+        if (d.bias)
+            throw error(who + ": an Embedding has no bias; describe it with kfac::embedding_description()");
+        if (d.sharing != weight_sharing::expand)
+            throw error(who + ": an Embedding's statistics count each token (weight sharing 'expand'); 'reduce' "
+                        "would average one-hot rows into a dense V x V factor. Leave description.sharing at expand");
+    }
     if (d.kind == layer_kind::conv1d) {
         const auto& c = d.conv;
         if (c.kernel[0] != 1 || c.stride[0] != 1 || c.dilation[0] != 1 || c.padding[0] != 0)
@@ -163,6 +171,32 @@ std::int64_t leading_rows(const tensor_view<T>& v) {
     return v.rank == 0 ? 0 : v.size() / v.extent(v.rank - 1);
 }
 
+/// An Embedding's views: token ids [positions...] (integers held as scalars) and output
+/// gradients [positions..., E]. Every id is read: one that is not an integer in [0, V) would
+/// count towards no row, or the wrong one.
+template <class T>
+void check_embedding_views(const std::string& who, const layer_description& d, const tensor_view<const T>& a,
+                           const tensor_view<const T>& g) {
+    bool matching = a.rank >= 1 && a.size() > 0 && g.rank == a.rank + 1 && g.extent(a.rank) == d.out;
+    for (int i = 0; matching && i < a.rank; ++i) matching = a.extent(i) == g.extent(i);
+    if (!matching) {
+        std::string expected = "[";
+        for (int i = 0; i < a.rank; ++i) expected += std::to_string(a.extent(i)) + ", ";
+        throw error(who + ": token ids " + a.shape_string() + " and output gradients " + g.shape_string() +
+                    " do not match; pass non-empty ids [positions...] (rank 1 or more) and output gradients " +
+                    expected + std::to_string(d.out) + "]");
+    }
+    check_blas_count(who, "token ids " + a.shape_string() + " hold positions:", a.size());
+    if (a.space != memory_space::host) return;  // read on the device by a device backend
+    for (std::int64_t i = 0, n = a.size(); i < n; ++i) {
+        const T id = a.data[i];
+        if (!(id >= T(0) && id < static_cast<T>(d.in) && id == static_cast<T>(static_cast<std::int64_t>(id))))
+            throw error(who + ": token id " + std::to_string(static_cast<double>(id)) + " at flat position " +
+                        std::to_string(i) + " of " + a.shape_string() + " is not an integer in [0, " +
+                        std::to_string(d.in) + "); pass the layer's input indices, converted to the scalar type");
+    }
+}
+
 /// Views read for the factor statistics (activations and output gradients).
 template <class T>
 void check_statistics_views(const std::string& name, const layer_description& d,
@@ -182,6 +216,10 @@ void check_statistics_views(const std::string& name, const layer_description& d,
         throw error(who + ": no output gradients captured for factor-update step " +
                     std::to_string(step) + "; run the backward pass and point the adapter's "
                     "output_gradients() at this layer's output gradient before step()");
+    if (d.kind == layer_kind::embedding) {
+        check_embedding_views(who, d, a, g);
+        return;
+    }
     if (d.kind == layer_kind::linear) {
         if (a.rank < 1 || a.extent(a.rank - 1) != d.in)
             throw error(who + ": activations have shape " + a.shape_string() +
@@ -236,11 +274,13 @@ void check_gradient_views(const std::string& name, const layer_description& d,
     check_extents(who, "bias gradient", b);
     check_memory_space(who, "weight gradient", w, device_backend, probe);
     check_memory_space(who, "bias gradient", b, device_backend, probe);
-    const bool linear = d.kind == layer_kind::linear, one_d = d.kind == layer_kind::conv1d;
-    const std::string expected = linear ? shape_text({d.out, d.in})
+    const bool one_d = d.kind == layer_kind::conv1d, embedding = d.kind == layer_kind::embedding;
+    const bool linear = d.kind == layer_kind::linear || embedding;
+    const std::int64_t rows = embedding ? d.in : d.out, cols = embedding ? d.out : d.in;
+    const std::string expected = linear ? shape_text({rows, cols})
                                  : one_d ? shape_text({d.out, d.in, d.conv.kernel[1]})
                                          : shape_text({d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});
-    bool ok = !w.empty() && w.rank == (linear ? 2 : one_d ? 3 : 4) && w.extent(0) == d.out && w.extent(1) == d.in;
+    bool ok = !w.empty() && w.rank == (linear ? 2 : one_d ? 3 : 4) && w.extent(0) == rows && w.extent(1) == cols;
     if (ok && one_d) ok = w.extent(2) == d.conv.kernel[1];
     if (ok && d.kind == layer_kind::conv2d) ok = w.extent(2) == d.conv.kernel[0] && w.extent(3) == d.conv.kernel[1];
     if (!ok)

@@ -31,14 +31,21 @@ template <class T>
     return d.kind == layer_kind::conv1d && !v.empty() ? with_unit_axis(v, 2) : v;
 }
 
+/// Examples in one application's view: dimension 0 of a convolution's views and of a
+/// Linear layer's [N, positions..., features] views; a rank-1 Linear view is one example.
+template <class T>
+[[nodiscard]] std::int64_t examples_in(const layer_description& d, const tensor_view<T>& v) {
+    return d.kind == layer_kind::linear && v.rank < 2 ? 1 : v.extent(0);
+}
+
 /// Rows of one application's statistic: the examples of a convolution or of a Linear
-/// layer under weight sharing `reduce` ([N, positions..., in]; a rank-1 input is one
-/// example), every leading row of a Linear layer under `expand`.
+/// layer under weight sharing `reduce`, every leading row of a Linear layer under `expand`,
+/// every token of an Embedding.
 template <class T>
 [[nodiscard]] std::int64_t statistic_rows(const layer_description& d, const tensor_view<T>& activations) {
-    if (d.kind != layer_kind::linear) return activations.extent(0);
-    if (d.sharing == weight_sharing::reduce) return activations.rank >= 2 ? activations.extent(0) : 1;
-    return leading_rows(activations);
+    if (d.kind == layer_kind::embedding) return activations.size();
+    if (d.kind == layer_kind::linear && d.sharing == weight_sharing::expand) return leading_rows(activations);
+    return examples_in(d, activations);
 }
 
 }  // namespace kfac::detail

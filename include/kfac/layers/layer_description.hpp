@@ -13,13 +13,16 @@ namespace kfac {
 /// Conv1d is a Conv2d whose first spatial axis is trivial: its geometry is stored as the
 /// 2-D one with kernel, stride and dilation 1 and padding 0 on that axis (conv1d_description()
 /// builds it), and its views [N, C, L] are read as [N, C, 1, L].
-enum class layer_kind { linear, conv2d, conv1d };
+/// Embedding is the Linear layer of a one-hot input: `in` = num_embeddings V, `out` =
+/// embedding_dim E, its activations the token ids, its weight [V, E] (embedding_description()).
+enum class layer_kind { linear, conv2d, conv1d, embedding };
 
 [[nodiscard]] inline const char* kind_name(layer_kind k) noexcept {
     switch (k) {
         case layer_kind::linear: return "linear";
         case layer_kind::conv2d: return "conv2d";
         case layer_kind::conv1d: return "conv1d";
+        case layer_kind::embedding: return "embedding";
     }
     return "unknown";
 }
@@ -31,11 +34,20 @@ enum class layer_kind { linear, conv2d, conv1d };
         case layer_kind::linear: return "Linear";
         case layer_kind::conv2d: return "Conv2d";
         case layer_kind::conv1d: return "Conv1d";
+        case layer_kind::embedding: return "Embedding";
     }
     return "unknown";
 }
 
-[[nodiscard]] constexpr bool is_convolution(layer_kind k) noexcept { return k != layer_kind::linear; }
+[[nodiscard]] constexpr bool is_convolution(layer_kind k) noexcept {
+    return k == layer_kind::conv2d || k == layer_kind::conv1d;
+}
+
+/// How a Kronecker factor is stored. Dense: the n × n symmetric matrix. Diagonal: its diagonal
+/// as an n × 1 column, for a factor that is diagonal by construction (an Embedding's A: one-hot
+/// inputs have no cross terms), so that neither its statistics, its decomposition nor its
+/// preconditioning ever forms the n × n matrix.
+enum class factor_structure { dense, diagonal };
 
 /// How the factors treat a weight applied at several positions of one example (the tokens of
 /// a sequence, the output locations of a convolution); Eschenhagen et al., "Kronecker-Factored
@@ -95,6 +107,17 @@ struct layer_description {
     [[nodiscard]] std::int64_t a_dim() const noexcept { return weight_columns() + (bias ? 1 : 0); }
     /// Dimension of the G factor.
     [[nodiscard]] std::int64_t g_dim() const noexcept { return out; }
+    /// How the A factor is stored (G is always dense).
+    [[nodiscard]] factor_structure a_structure() const noexcept {
+        return kind == layer_kind::embedding ? factor_structure::diagonal : factor_structure::dense;
+    }
+    /// Columns of the A factor's storage: a_dim(), or 1 for a diagonal factor.
+    [[nodiscard]] std::int64_t a_storage_cols() const noexcept {
+        return a_structure() == factor_structure::diagonal ? 1 : a_dim();
+    }
+    /// The weight gradient is [in, out] (an Embedding's [V, E]), the transpose of the
+    /// [out, in] of Linear and convolution weights.
+    [[nodiscard]] bool weight_is_in_by_out() const noexcept { return kind == layer_kind::embedding; }
 };
 
 [[nodiscard]] inline layer_description linear_description(std::int64_t in_features,
@@ -121,6 +144,13 @@ struct layer_description {
     g.dilation = {1, geometry.dilation};
     g.groups = geometry.groups;
     return {layer_kind::conv1d, in_channels, out_channels, bias, g, weight_sharing::expand};
+}
+
+/// An Embedding of `num_embeddings` (V) rows of `embedding_dim` (E): K-FAC's A is the
+/// diagonal of token frequencies, G the E × E output-gradient factor.
+[[nodiscard]] inline layer_description embedding_description(std::int64_t num_embeddings,
+                                                             std::int64_t embedding_dim) {
+    return {layer_kind::embedding, num_embeddings, embedding_dim, false, {}, weight_sharing::expand};
 }
 
 /// The same layer with another weight-sharing treatment.

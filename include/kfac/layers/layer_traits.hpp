@@ -11,12 +11,15 @@
 ///     using scalar_type = float;                            // float or double
 ///     static kfac::layer_description describe(const MyLayer&);   // kind and shapes
 ///     // Input of the last forward pass: Linear [..., in] (leading dims are flattened into
-///     // rows), Conv2d [N, C_in, H, W]. An empty view means "nothing captured".
+///     // rows), Conv2d [N, C_in, H, W], Conv1d [N, C_in, L], Embedding the token ids
+///     // [positions...] as scalar_type values. An empty view means "nothing captured".
 ///     static kfac::tensor_view<const scalar_type> activations(const MyLayer&);
 ///     // Gradient of the loss w.r.t. the layer output: Linear [..., out],
-///     // Conv2d [N, C_out, H_out, W_out]; as the framework delivers it (not rescaled).
+///     // Conv2d [N, C_out, H_out, W_out], Embedding [positions..., E]; as the framework
+///     // delivers it (not rescaled).
 ///     static kfac::tensor_view<const scalar_type> output_gradients(const MyLayer&);
-///     // Weight gradient [out, in] or [C_out, C_in, k_h, k_w]; overwritten by step().
+///     // Weight gradient [out, in], [C_out, C_in, k_h, k_w], [C_out, C_in, k] or an
+///     // Embedding's [V, E]; overwritten by step().
 ///     static kfac::tensor_view<scalar_type> weight_gradient(MyLayer&);
 ///     // Bias gradient [out]; an empty view when the layer has no bias.
 ///     static kfac::tensor_view<scalar_type> bias_gradient(MyLayer&);

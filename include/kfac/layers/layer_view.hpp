@@ -8,7 +8,9 @@
 
 namespace kfac {
 
-/// A Linear or Conv2d layer described by its shapes and four views. Point the views at the
+/// A layer described by its shapes and four views (shapes by kind: Linear, Conv2d; a Conv1d
+/// drops H; an Embedding's input is its token ids [positions...] as Scalar values, its output
+/// gradient [positions..., E] and its weight gradient [V, E]). Point the views at the
 /// current buffers before each accumulate()/step(); the preconditioner keeps a pointer to this
 /// struct, not copies of the views.
 template <class Scalar>

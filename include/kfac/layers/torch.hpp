@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file torch.hpp
-/// LibTorch adapter: K-FAC for the `torch::nn::Linear`, `torch::nn::Conv2d` and
-/// `torch::nn::Conv1d` members of an
+/// LibTorch adapter: K-FAC for the `torch::nn::Linear`, `torch::nn::Conv2d`,
+/// `torch::nn::Conv1d` and `torch::nn::Embedding` members of an
 /// existing model, with no change to the model or its hand-written `forward`. Optional: only
 /// this header needs LibTorch (CMake: `find_package(Torch)`, link `${TORCH_LIBRARIES}`); it is
 /// not included by `kfac/kfac.hpp`.
@@ -36,7 +36,10 @@
 ///   input with bias and `input.matmul(weight.t())` otherwise, so an `aten::t` of the weight
 ///   marks the transposed weight and the `aten::addmm`, `aten::matmul` or `aten::mm` that
 ///   consumes it is the layer's product; an `aten::linear(input, weight, ...)` (what
-///   `torch::linear` dispatches) is recognised too.
+///   `torch::linear` dispatches) is recognised too;
+/// * Embedding: `aten::embedding(weight, indices, ...)`, the call `EmbeddingImpl::forward`
+///   makes; the indices are kept converted to the tracker's scalar type (token ids are exact
+///   in it up to the preconditioner's limit, which it checks at registration).
 ///
 /// The observer keeps that operator's input and registers a hook (`Tensor::register_hook`) on
 /// its output; when the backward pass reaches the hook, the pair (input, dloss/doutput) is one
@@ -86,6 +89,12 @@
 /// before an unpadded convolution, so the factors are built from that padded input (padding 0
 /// in the description), the patches the convolution really multiplies. A convolution with `groups` ≠ 1
 /// is not preconditioned: register_modules leaves it to the host's optimizer and reports it.
+///
+/// An Embedding is preconditioned unless its gradient is not the plain one: `sparse` (a sparse
+/// .grad()) and `scale_grad_by_freq` (a gradient already divided by the token counts, which A
+/// would divide again) are left to the host's optimizer by register_modules, and refused by
+/// track(). A weight tied to another module (an output projection using the embedding's weight)
+/// gets its whole gradient preconditioned by the Embedding's factors alone.
 
 #include <array>
 #include <cstdint>
@@ -103,6 +112,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
 #include "kfac/config.hpp"
@@ -130,11 +140,13 @@ struct pass {
 /// What the tracker knows of one module.
 struct layer_state {
     std::string name;
-    const char* type = "";  // "Linear", "Conv2d" or "Conv1d", for messages
+    const char* type = "";  // "Linear", "Conv2d", "Conv1d" or "Embedding", for messages
     layer_description description{};
     std::shared_ptr<::torch::nn::Module> module;  // keeps *weight and *bias alive
     at::Tensor* weight = nullptr;                 // the module's members
-    at::Tensor* bias = nullptr;
+    at::Tensor* bias = nullptr;                   // `no_bias` for a module without one
+    at::Tensor no_bias;
+    c10::ScalarType scalar = c10::ScalarType::Float;  // the tracker's: an Embedding's ids are kept in it
     at::Tensor transposed;  // weight.t() seen in forward, awaiting its addmm/matmul/mm
 
     mutable std::mutex mutex;  // guards what the backward hooks write
@@ -207,7 +219,7 @@ c10::ArrayRef<const c10::IValue> recorded_inputs(const at::RecordFunction& fn);
 template struct record_function_inputs<&at::RecordFunction::inputs_>;
 #endif
 
-enum class op_kind { none, transpose, addmm, matmul, mm, linear, conv2d, conv1d };
+enum class op_kind { none, transpose, addmm, matmul, mm, linear, conv2d, conv1d, embedding };
 
 /// The operators the observer looks at, by schema name.
 inline op_kind classify(const char* name) noexcept {
@@ -220,6 +232,7 @@ inline op_kind classify(const char* name) noexcept {
             if (std::strcmp(op, "matmul") == 0) return op_kind::matmul;
             return std::strcmp(op, "mm") == 0 ? op_kind::mm : op_kind::none;
         case 'l': return std::strcmp(op, "linear") == 0 ? op_kind::linear : op_kind::none;
+        case 'e': return std::strcmp(op, "embedding") == 0 ? op_kind::embedding : op_kind::none;
         case 'c':
             if (std::strcmp(op, "conv2d") == 0) return op_kind::conv2d;
             return std::strcmp(op, "conv1d") == 0 ? op_kind::conv1d : op_kind::none;
@@ -250,6 +263,7 @@ inline operand_positions positions(op_kind k) noexcept {
         case op_kind::addmm: return {1, 2, true};           // addmm(bias, input, weight.t())
         case op_kind::matmul:                               // matmul(input, weight.t())
         case op_kind::mm: return {0, 1, true};              // mm(input, weight.t())
+        case op_kind::embedding: return {1, 0, false};      // embedding(weight, indices, ...)
         default: return {0, 1, false};                      // linear/conv2d/conv1d(input, weight, ...)
     }
 }
@@ -264,11 +278,14 @@ inline std::shared_ptr<layer_state> match(const thread_observer& obs, op_kind ki
         for (const auto& l : core->layers) {
             if (!l->weight->defined() || !l->weight->requires_grad() || !l->module->is_training()) continue;
             const bool linear = l->description.kind == layer_kind::linear;
+            const bool embedding = l->description.kind == layer_kind::embedding;
             if (kind == op_kind::transpose || kind == op_kind::linear) {
                 if (linear && key == l->weight->unsafeGetTensorImpl()) return l;
             } else if (transposed) {
                 if (linear && l->transposed.defined() && key == l->transposed.unsafeGetTensorImpl()) return l;
-            } else if (!linear && key == l->weight->unsafeGetTensorImpl()) {  // conv2d, conv1d
+            } else if (kind == op_kind::embedding) {
+                if (embedding && key == l->weight->unsafeGetTensorImpl()) return l;
+            } else if (is_convolution(l->description.kind) && key == l->weight->unsafeGetTensorImpl()) {
                 // A call of the other kind of convolution is an application K-FAC cannot
                 // describe: on_operator_start records why.
                 return l;
@@ -387,7 +404,9 @@ inline void on_operator_end(const at::RecordFunction& fn, at::ObserverContext* c
         const auto l = layer.lock();
         if (!l || !grad.defined()) return;
         auto p = std::make_shared<pass>();
-        p->input = input.detach().contiguous();
+        // An Embedding's indices are integers: its view holds them as the tracker's scalars.
+        const bool ids = l->description.kind == layer_kind::embedding;
+        p->input = ids ? input.detach().to(l->scalar).contiguous() : input.detach().contiguous();
         p->grad_output = grad.detach().contiguous();
         p->problem = problem;
         l->add(std::move(p));
@@ -501,6 +520,16 @@ layer_description describe_conv(const std::string& name, const ConvImpl& m) {
     return d;
 }
 
+/// Why register_modules leaves an Embedding out (empty when it can be preconditioned).
+inline std::string embedding_left_out(const ::torch::nn::EmbeddingImpl& e) {
+    if (e.options.sparse())
+        return "sparse = true: a sparse gradient cannot be preconditioned in place";
+    if (e.options.scale_grad_by_freq())
+        return "scale_grad_by_freq = true: its gradient is already divided by the token counts, which K-FAC's "
+               "A factor would divide again";
+    return {};
+}
+
 /// The weight and `groups` of a tracked convolution module (nullopt for other modules).
 struct conv_module {
     const at::Tensor* weight;
@@ -530,12 +559,13 @@ inline std::optional<layer_kind> trackable_kind(const ::torch::nn::Module* m) {
     if (dynamic_cast<const ::torch::nn::LinearImpl*>(m) != nullptr) return layer_kind::linear;
     if (dynamic_cast<const ::torch::nn::Conv2dImpl*>(m) != nullptr) return layer_kind::conv2d;
     if (dynamic_cast<const ::torch::nn::Conv1dImpl*>(m) != nullptr) return layer_kind::conv1d;
+    if (dynamic_cast<const ::torch::nn::EmbeddingImpl*>(m) != nullptr) return layer_kind::embedding;
     return std::nullopt;
 }
 
 }  // namespace detail
 
-/// A tracked `torch::nn::Linear`, `Conv2d` or `Conv1d`: what the preconditioner registers
+/// A tracked `torch::nn::Linear`, `Conv2d`, `Conv1d` or `Embedding`: what the preconditioner registers
 /// (through kfac::layer_traits). Owned by its tracker; only its tracker creates it.
 ///
 /// @tparam Scalar float or double: the module's dtype and the backend's scalar type.
@@ -546,7 +576,7 @@ public:
 
     [[nodiscard]] const std::string& name() const noexcept { return state_->name; }
     [[nodiscard]] const layer_description& description() const noexcept { return state_->description; }
-    /// The module (a torch::nn::LinearImpl, Conv2dImpl or Conv1dImpl).
+    /// The module (a torch::nn::LinearImpl, Conv2dImpl, Conv1dImpl or EmbeddingImpl).
     [[nodiscard]] const std::shared_ptr<::torch::nn::Module>& module() const noexcept { return state_->module; }
     /// Applications (forward calls whose gradient arrived) captured so far, in all passes.
     [[nodiscard]] std::int64_t passes() const {
@@ -566,7 +596,7 @@ public:
         return p ? p->grad_output : at::Tensor();
     }
 
-    /// The input of application `i` of the current pass.
+    /// The input of application `i` of the current pass (an Embedding's indices as Scalar).
     /// @throws kfac::error when the application cannot be used (a functional call with other
     ///         options) or its tensors are not CPU/CUDA tensors of Scalar.
     [[nodiscard]] tensor_view<const Scalar> activations_view(std::int64_t i) const {
@@ -664,7 +694,12 @@ public:
     tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Conv1d& module) {
         return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
     }
-    /// Tracks a module that is a torch::nn::LinearImpl, Conv2dImpl or Conv1dImpl.
+    /// Tracks an Embedding module under `name`.
+    /// @throws kfac::error as above, or for a sparse or scale_grad_by_freq Embedding.
+    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Embedding& module) {
+        return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
+    }
+    /// Tracks a module that is a torch::nn::LinearImpl, Conv2dImpl, Conv1dImpl or EmbeddingImpl.
     /// @throws kfac::error for any other module, and as above.
     tracked_layer<Scalar>& track(const std::string& name, const std::shared_ptr<::torch::nn::Module>& module) {
         auto s = prepare(name, module, {});
@@ -688,6 +723,7 @@ public:
         auto s = std::make_shared<detail::layer_state>();
         s->name = name;
         s->module = module;
+        s->scalar = detail::scalar_type_of<Scalar>();
         if (auto* linear = dynamic_cast<::torch::nn::LinearImpl*>(module.get())) {
             s->type = "Linear";
             s->weight = &linear->weight;
@@ -704,10 +740,19 @@ public:
             s->weight = &conv1d->weight;
             s->bias = &conv1d->bias;
             s->description = detail::describe_conv<1>(name, *conv1d);
+        } else if (auto* embedding = dynamic_cast<::torch::nn::EmbeddingImpl*>(module.get())) {
+            s->type = "Embedding";
+            s->weight = &embedding->weight;
+            s->bias = &s->no_bias;
+            s->description = embedding_description(embedding->options.num_embeddings(),
+                                                   embedding->options.embedding_dim());
+            if (const std::string why = detail::embedding_left_out(*embedding); !why.empty())
+                throw error("torch adapter: " + s->who() + ": " + why + "; leave the layer out "
+                            "(kfac::torch::register_modules does) or construct it without that option");
         } else {
             throw error("torch adapter: module '" + name + "' (" +
                         (module ? module->name() : std::string("null")) +
-                        ") is none of torch::nn::Linear, Conv2d, Conv1d");
+                        ") is none of torch::nn::Linear, Conv2d, Conv1d, Embedding");
         }
         const std::vector<std::shared_ptr<detail::layer_state>>& tracked = core_->layers;
         for (const auto* list : {&tracked, &pending})
@@ -833,11 +878,17 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
         }
         const auto conv = as_conv(m.get());
         const auto* linear = dynamic_cast<const ::torch::nn::LinearImpl*>(m.get());
-        const at::Tensor& weight = conv ? *conv->weight : linear->weight;
+        const auto* embedding = dynamic_cast<const ::torch::nn::EmbeddingImpl*>(m.get());
+        const at::Tensor& weight = conv ? *conv->weight : linear ? linear->weight : embedding->weight;
         if (weight.defined() && !weight.requires_grad()) {
             left_out("frozen: the weight has requires_grad = false");
             continue;
         }
+        if (embedding)
+            if (std::string why = embedding_left_out(*embedding); !why.empty()) {
+                left_out(std::move(why));
+                continue;
+            }
         if (conv && conv->groups != 1) {
             left_out("groups = " + std::to_string(conv->groups) +
                      ": grouped and depthwise convolutions have no K-FAC block here yet");
@@ -860,7 +911,7 @@ struct tracked_modules {
     std::vector<tracked_layer<Scalar>*> layers;
 };
 
-/// Tracks every torch::nn::Linear, Conv2d and Conv1d of `model` that K-FAC can
+/// Tracks every torch::nn::Linear, Conv2d, Conv1d and Embedding of `model` that K-FAC can
 /// precondition (as register_modules() chooses them, with `opts.skip_layers`), without
 /// registering them: for a preconditioner that this translation unit cannot instantiate,
 /// through kfac::any_layer (see any_layer.hpp). All or nothing.
@@ -872,14 +923,15 @@ tracked_modules<Scalar> track_modules(tracker<Scalar>& tracker, const Model& mod
     return {std::move(report), tracker.adopt(std::move(states))};
 }
 
-/// Tracks and registers every torch::nn::Linear, Conv2d and Conv1d of `model` (a
+/// Tracks and registers every torch::nn::Linear, Conv2d, Conv1d and Embedding of `model` (a
 /// std::shared_ptr to a module or a module holder) that K-FAC can precondition, named as
 /// `model->named_modules()` names them ("conv1", "layer1.0.conv1", ...; a `prefix` "p" makes them
 /// "p.conv1", ...). All or nothing: every module is checked before any is tracked or registered,
 /// so after an error the tracker and the preconditioner are as they were. Left out, and
 /// listed in the report with the reason: layers options.skip_layers matches, frozen layers
-/// (weight with requires_grad false), grouped or depthwise convolutions (groups ≠ 1), and every
-/// other module with parameters of its own (BatchNorm, Embedding, ...), whose parameters
+/// (weight with requires_grad false), grouped or depthwise convolutions (groups ≠ 1), sparse or
+/// scale_grad_by_freq Embeddings, and every other module with parameters of its own
+/// (BatchNorm, LayerNorm, ...), whose parameters
 /// stay the host optimizer's alone.
 /// @throws kfac::error as tracker::track and preconditioner::register_layer do.
 template <class Preconditioner, class Scalar, class Model>
