@@ -580,8 +580,9 @@ TEMPLATE_TEST_CASE("Embedding layers: ranks with different token counts equal on
     // Rank r holds R_r = 3 + 2r token positions; its statistics weigh by R_r (every token is a
     // row), so the factors and the preconditioned gradients equal one process's over every
     // rank's tokens, under KAISA's strategies (the diagonal A travels in the factor allreduce
-    // and, when shared, as its eigenvalues or reciprocals). (DP-KFAC's owner uses its own
-    // tokens only, so it has no one-process equal.)
+    // and, when shared, as its eigenvalues or reciprocals). Under DP-KFAC the owner builds
+    // the factors from its own tokens and broadcasts the result: every rank then equals one
+    // process over the owner's tokens.
     const int world = world_size(), me = world_rank();
     const std::int64_t v = 13, e = 4;
     auto positions_of = [](int rank) { return std::int64_t{3} + 2 * rank; };
@@ -605,10 +606,22 @@ TEMPLATE_TEST_CASE("Embedding layers: ranks with different token counts equal on
         if (q < me) first += positions_of(q);
         total += positions_of(q);
     }
-    for (double fraction : {kfac::comm_opt, kfac::mem_opt}) {
-        INFO("fraction " << fraction);
+    auto first_of = [&](int rank) {
+        std::int64_t f = 0;
+        for (int q = 0; q < rank; ++q) f += positions_of(q);
+        return f;
+    };
+    struct setup {
+        kfac::distribution strategy;
+        double fraction;
+    };
+    for (const setup s : {setup{kfac::distribution::kaisa, kfac::comm_opt}, setup{kfac::distribution::kaisa, kfac::mem_opt},
+                          setup{kfac::distribution::dp_kfac, kfac::comm_opt}}) {
+        const bool dp = s.strategy == kfac::distribution::dp_kfac;
+        INFO("dp_kfac " << dp << ", fraction " << s.fraction);
         kfac::options o;
-        o.grad_worker_fraction = fraction;
+        o.strategy = s.strategy;
+        o.grad_worker_fraction = s.fraction;
         o.damping = 0.01;
         mpi_kfac<TestType> p(o, kfac::comm::mpi());
         kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, TestType> whole(o);
@@ -616,9 +629,11 @@ TEMPLATE_TEST_CASE("Embedding layers: ranks with different token counts equal on
         for (auto* l : {&emb, &emb_all}) l->view.description = kfac::embedding_description(v, e);
         p.register_layer("emb", emb.view);
         whole.register_layer("emb", emb_all.view);
+        const int owner = p.workers("emb").g;
         for (std::uint32_t step = 0; step < 2; ++step) {
             fill(emb, first, positions_of(me), step);
-            fill(emb_all, 0, total, step);
+            if (dp) fill(emb_all, first_of(owner), positions_of(owner), step);
+            else fill(emb_all, 0, total, step);
             p.step();
             whole.step();
             // Sums in another order: ~1e-15 relative in the factors, amplified by the damped
