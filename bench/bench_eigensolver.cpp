@@ -19,6 +19,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "blas_context.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -314,12 +316,7 @@ BENCHMARK_TEMPLATE(inv_lapack_potri, double)->Apply(size_4608);
 #endif
 
 int main(int argc, char** argv) {
-    const char* threads = std::getenv("OPENBLAS_NUM_THREADS");
-    benchmark::AddCustomContext("OPENBLAS_NUM_THREADS", threads ? threads : "(unset)");
-    benchmark::AddCustomContext("KFAC_HAS_LAPACK", KFAC_HAS_LAPACK ? "1" : "0");
-    const auto& blas = kfac::backend::blas_kernels();
-    benchmark::AddCustomContext("BLAS", blas.library);
-    benchmark::AddCustomContext("BLAS kernels", blas.core_name + (blas.generic ? " (generic: LAPACK via Eigen)" : ""));
+    kfac_bench::add_blas_context();
     benchmark::AddCustomContext("KFAC_EIGEN_SOLVER_MAX_DIM",
                                 std::to_string(KFAC_EIGEN_SOLVER_MAX_DIM));
     benchmark::Initialize(&argc, argv);

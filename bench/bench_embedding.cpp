@@ -13,6 +13,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "blas_context.hpp"
+
 #include <cstdint>
 #include <random>
 #include <string>
@@ -87,6 +89,7 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
+    kfac_bench::add_blas_context();
     register_all();
     benchmark::Initialize(&argc, argv);
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -26,6 +26,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "blas_context.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -433,12 +435,7 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-    const char* threads = std::getenv("OPENBLAS_NUM_THREADS");
-    benchmark::AddCustomContext("OPENBLAS_NUM_THREADS", threads ? threads : "(unset)");
-    benchmark::AddCustomContext("KFAC_HAS_LAPACK", KFAC_HAS_LAPACK ? "1" : "0");
-    const auto& blas = kfac::backend::blas_kernels();
-    benchmark::AddCustomContext("BLAS", blas.library);
-    benchmark::AddCustomContext("BLAS kernels", blas.core_name + (blas.generic ? " (generic: LAPACK via Eigen)" : ""));
+    kfac_bench::add_blas_context();
     register_all();
     benchmark::Initialize(&argc, argv);
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -13,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <kfac/comm/mpi.hpp>
 #include <kfac/kfac.hpp>
@@ -34,6 +35,12 @@ int world_rank() {
     int r = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &r);
     return r;
+}
+
+/// rel_err of two buffers of the same length.
+double buffer_rel_err(const std::vector<double>& x, const std::vector<double>& r) {
+    using map = Eigen::Map<const Eigen::VectorXd>;
+    return rel_err(map(x.data(), static_cast<Eigen::Index>(x.size())), map(r.data(), static_cast<Eigen::Index>(r.size())));
 }
 
 /// "l<i>", built by appending: GCC 12 warns falsely (-Wrestrict, bug 105329) on
@@ -565,12 +572,9 @@ TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one proc
             whole.step();
             // Sums in another order (per rank, then across): ~1e-15 relative in the factors,
             // amplified by the damped solve (≤ (λ_max + γ)/γ ≈ 10² here): 1e-10 bounds it.
-            CHECK(rel_err(Eigen::Map<const Eigen::VectorXd>(conv.grad_weight.data(), static_cast<Eigen::Index>(conv.grad_weight.size())),
-                          Eigen::Map<const Eigen::VectorXd>(conv_all.grad_weight.data(), static_cast<Eigen::Index>(conv_all.grad_weight.size()))) < 1e-10);
-            CHECK(rel_err(Eigen::Map<const Eigen::VectorXd>(seq.grad_weight.data(), static_cast<Eigen::Index>(seq.grad_weight.size())),
-                          Eigen::Map<const Eigen::VectorXd>(seq_all.grad_weight.data(), static_cast<Eigen::Index>(seq_all.grad_weight.size()))) < 1e-10);
-            CHECK(rel_err(Eigen::Map<const Eigen::VectorXd>(seq.grad_bias.data(), static_cast<Eigen::Index>(seq.grad_bias.size())),
-                          Eigen::Map<const Eigen::VectorXd>(seq_all.grad_bias.data(), static_cast<Eigen::Index>(seq_all.grad_bias.size()))) < 1e-10);
+            CHECK(buffer_rel_err(conv.grad_weight, conv_all.grad_weight) < 1e-10);
+            CHECK(buffer_rel_err(seq.grad_weight, seq_all.grad_weight) < 1e-10);
+            CHECK(buffer_rel_err(seq.grad_bias, seq_all.grad_bias) < 1e-10);
         }
     }
 }
@@ -601,16 +605,12 @@ TEMPLATE_TEST_CASE("Embedding layers: ranks with different token counts equal on
         l.grad_weight = random_vector<double>(static_cast<std::size_t>(v * e), 900 + step, 0.1);
         l.bind();
     };
-    std::int64_t first = 0, total = 0;
-    for (int q = 0; q < world; ++q) {
-        if (q < me) first += positions_of(q);
-        total += positions_of(q);
-    }
-    auto first_of = [&](int rank) {
+    auto first_of = [&](int rank) {  // positions held by the ranks before `rank`
         std::int64_t f = 0;
         for (int q = 0; q < rank; ++q) f += positions_of(q);
         return f;
     };
+    const std::int64_t first = first_of(me), total = first_of(world);
     struct setup {
         kfac::distribution strategy;
         double fraction;
@@ -638,8 +638,7 @@ TEMPLATE_TEST_CASE("Embedding layers: ranks with different token counts equal on
             whole.step();
             // Sums in another order: ~1e-15 relative in the factors, amplified by the damped
             // solve by at most (λ_max + γ)/γ ≈ 10²: 1e-10 bounds it.
-            CHECK(rel_err(Eigen::Map<const Eigen::VectorXd>(emb.grad_weight.data(), static_cast<Eigen::Index>(emb.grad_weight.size())),
-                          Eigen::Map<const Eigen::VectorXd>(emb_all.grad_weight.data(), static_cast<Eigen::Index>(emb_all.grad_weight.size()))) < 1e-10);
+            CHECK(buffer_rel_err(emb.grad_weight, emb_all.grad_weight) < 1e-10);
         }
     }
 }
