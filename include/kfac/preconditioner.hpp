@@ -34,6 +34,7 @@
 #include "kfac/detail/checkpoint_io.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/detail/configuration_check.hpp"
+#include "kfac/detail/group_views.hpp"
 #include "kfac/detail/task_parallel.hpp"
 #include "kfac/detail/host_staging.hpp"
 #include "kfac/detail/layer_checks.hpp"
@@ -85,34 +86,39 @@ public:
     }
 
     /// Registers a layer under a unique name. The preconditioner keeps a pointer to `layer`,
-    /// which must outlive it. Register every layer before the first step().
+    /// which must outlive it. Register every layer before the first step(). A grouped
+    /// convolution of g groups becomes g blocks named "<name>/group0" ... "<name>/group<g-1>"
+    /// (a_factor(), layers() and checkpoints use those names).
     /// @return false if options.skip_layers matched the layer (it is then not registered).
     /// @throws kfac::error for a duplicate name, an invalid description, or registration
     ///         after the first step; nothing is registered then.
     template <class Layer>
     bool register_layer(const std::string& name, Layer& layer) {
-        auto record = make_record(name, layer, {});
-        if (!record) return false;
-        layers_.push_back(std::move(*record));
+        auto records = make_records(name, layer, {});
+        if (records.empty()) return false;
+        for (auto& r : records) layers_.push_back(std::move(r));
         return true;
     }
 
     /// Registers several layers of one type, all or none: every layer is checked (as
     /// register_layer() checks one, and against the others of the list) before any is
     /// registered.
-    /// @return the number registered (options.skip_layers may leave some out).
+    /// @return the number of layers registered (options.skip_layers may leave some out).
     /// @throws kfac::error as register_layer(); nothing is registered then.
     template <class Layer>
     std::size_t register_layers(const std::vector<std::pair<std::string, Layer*>>& list) {
         std::vector<layer_record> records;
         records.reserve(list.size());
+        std::size_t registered = 0;
         for (const auto& [name, layer] : list) {
             if (layer == nullptr) throw error("layer '" + name + "': register_layers() was given a null layer");
-            if (auto r = make_record(name, *layer, records)) records.push_back(std::move(*r));
+            auto blocks = make_records(name, *layer, records);
+            registered += blocks.empty() ? 0 : 1;
+            for (auto& r : blocks) records.push_back(std::move(r));
         }
         layers_.reserve(layers_.size() + records.size());
         for (auto& r : records) layers_.push_back(std::move(r));
-        return records.size();
+        return registered;
     }
 
     /// Folds the current forward/backward pass into the batch statistics. With
@@ -249,10 +255,12 @@ public:
 
     /// Number of completed step() calls.
     [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
+    /// Registered blocks: one per layer, and one per group of a grouped convolution.
     [[nodiscard]] std::size_t layer_count() const noexcept { return layers_.size(); }
+    /// Whether a layer (or a group block, "<name>/group<j>") of that name is registered.
     [[nodiscard]] bool is_registered(const std::string& name) const {
         for (const auto& l : layers_)
-            if (l.host.name == name) return true;
+            if (l.host.name == name || l.host.registered_name == name) return true;
         return false;
     }
     /// Running A factor of a layer (the identity before its first update); a diagonal one
@@ -295,6 +303,7 @@ public:
         for (const auto& l : layers_) {
             m.factors += bytes(l.state.a_factor) + bytes(l.state.g_factor);
             m.statistics += bytes(l.state.a_sum) + bytes(l.state.g_sum);
+            for (const auto& channels : l.scratch.group_channels) m.statistics += channels.size() * sizeof(scalar_type);
             method::for_each_tensor(l.state.second,
                                     [&](const char*, const auto& x, int) { m.second_order += bytes(x); });
             m.gradients += bytes(l.scratch.gamma) + bytes(l.scratch.preconditioned);
@@ -313,11 +322,12 @@ private:
     using group = typename CommPolicy::group;
     using layer_record = detail::layer_record<Backend, method>;
 
-    /// A checked record of `layer` (nullopt when options.skip_layers matches it), also checked
-    /// against `pending`, records about to be registered with it. Changes nothing.
+    /// The checked records of `layer` (none when options.skip_layers matches it), also checked
+    /// against `pending`, records about to be registered with it: one record, or one per group
+    /// of a grouped convolution. Changes nothing.
     template <class Layer>
-    std::optional<layer_record> make_record(const std::string& name, Layer& layer,
-                                            const std::vector<layer_record>& pending) const {
+    std::vector<layer_record> make_records(const std::string& name, Layer& layer,
+                                           const std::vector<layer_record>& pending) const {
         static_assert(detail::check_layer_adapter<Layer>());
         if constexpr (layer_adapter<Layer>) {
             using traits = layer_traits<Layer>;
@@ -329,36 +339,47 @@ private:
                 throw error("layer '" + name + "': register_layer() after the first accumulate() "
                             "or step(); register every layer before training starts");
             const void* object = detail::bind_layer<scalar_type>(layer).layer;
+            layer_description d = traits::describe(layer);
+            const std::int64_t groups = d.groups() > 1 ? d.groups() : 1;
+            auto block_name = [&](std::int64_t j) {
+                return groups == 1 ? name : name + "/group" + std::to_string(j);
+            };
             for (const auto* registered : {&layers_, &pending})
                 for (const auto& l : *registered) {
-                    if (l.host.name == name)
+                    bool taken = l.host.name == name || l.host.registered_name == name;
+                    for (std::int64_t j = 0; j < groups && !taken; ++j) taken = l.host.name == block_name(j);
+                    if (taken)
                         throw error("layer '" + name + "' is already registered; give each layer a "
                                     "unique name");
                     // Two registrations of one object would fold its statistics in twice and
                     // precondition its gradient twice.
                     if (l.host.layer == object)
                         throw error("layer '" + name + "': this layer object is already registered as '" +
-                                    l.host.name + "'; register each layer object once, under one name");
+                                    l.host.registered_name + "'; register each layer object once, under one name");
                 }
-            layer_description d = traits::describe(layer);
-            if (skipped(name, d.kind)) return std::nullopt;
+            if (skipped(name, d.kind)) return {};
             // An Embedding has no positions to share a weight over: its rows are the tokens.
             for (const auto& re : reduce_patterns_)
                 if (d.kind != layer_kind::embedding && std::regex_search(name, re)) d.sharing = weight_sharing::reduce;
             detail::check_description(name, d);
             check_backend_supports(name, d);
-            layer_record r;
-            r.host = detail::bind_layer<scalar_type>(layer);
-            r.host.name = name;
-            r.host.description = d;
-            const auto a = d.a_dim(), g = d.g_dim();
-            r.state.a_factor = identity_factor(d);
-            r.state.g_factor = Backend::identity(g);
-            r.state.a_sum = Backend::zeros(a, d.a_storage_cols());
-            r.state.g_sum = Backend::zeros(g, g);
-            return r;
+            std::vector<layer_record> records(static_cast<std::size_t>(d.groups()));
+            for (std::int64_t j = 0; j < d.groups(); ++j) {
+                auto& r = records[static_cast<std::size_t>(j)];
+                r.host = detail::bind_layer<scalar_type>(layer);
+                r.host.name = block_name(j);
+                r.host.registered_name = name;
+                r.host.group = j;
+                r.host.description = d;
+                const auto a = d.a_dim(), g = d.g_dim();
+                r.state.a_factor = identity_factor(d);
+                r.state.g_factor = Backend::identity(g);
+                r.state.a_sum = Backend::zeros(a, d.a_storage_cols());
+                r.state.g_sum = Backend::zeros(g, g);
+            }
+            return records;
         }
-        return std::nullopt;
+        return {};
     }
 
     /// What this backend and scalar type cannot hold, refused by name before registration.
@@ -374,6 +395,11 @@ private:
                         "Embedding needs; use kfac::backend::cpu_eigen, or exclude the layer with options.skip_layers");
         // Token ids travel as scalars: past 2^digits a float or double no longer holds every integer.
         constexpr std::int64_t exact_ids = std::int64_t{1} << std::numeric_limits<scalar_type>::digits;
+        // A group's channels are gathered from the host's views in host memory (group_views.hpp).
+        if (d.groups() > 1 && device_backend)
+            throw error(who + ": a grouped convolution's blocks read their channels from host memory, which this "
+                        "device backend does not; use kfac::backend::cpu_eigen, or exclude the layer with "
+                        "options.skip_layers");
         if (d.kind == layer_kind::embedding && d.in > exact_ids)
             throw error(who + ": " + std::to_string(d.in) + " token ids do not all fit exactly in the scalar type "
                         "(its integers are exact up to " + std::to_string(exact_ids) + "); use a double backend");
@@ -682,6 +708,8 @@ private:
 
     /// Folds every application of this pass into a_sum/g_sum (scratch until the step
     /// commits; the first application of the step overwrites them); one task per factor.
+    /// A group of a grouped convolution reads its own channels as the groups = 1 layer of its
+    /// block (layer_description::group_block()).
     void capture_pass() {
         std::vector<detail::task> tasks;
         for (auto& l : layers_) {
@@ -690,10 +718,16 @@ private:
             std::vector<tensor_view<const scalar_type>> a(static_cast<std::size_t>(n)), g(a.size());
             std::int64_t rows = 0;
             double a_elements = 0.0, g_elements = 0.0;
+            const auto& d = l.host.description;
+            const std::int64_t groups = d.groups();
+            l.scratch.group_channels.resize(groups > 1 ? 2 * a.size() : 0);
             for (std::size_t i = 0; i < a.size(); ++i) {
-                const auto& d = l.host.description;
                 a[i] = detail::statistic_view(d, l.host.activations_of(static_cast<std::int64_t>(i)));
                 g[i] = detail::statistic_view(d, l.host.output_gradients_of(static_cast<std::int64_t>(i)));
+                if (groups > 1) {
+                    a[i] = detail::gather_group_channels(a[i], l.host.group, groups, l.scratch.group_channels[2 * i]);
+                    g[i] = detail::gather_group_channels(g[i], l.host.group, groups, l.scratch.group_channels[2 * i + 1]);
+                }
                 rows += detail::statistic_rows(d, a[i]);
                 a_elements += static_cast<double>(a[i].size());
                 g_elements += static_cast<double>(g[i].size());
@@ -702,21 +736,21 @@ private:
             l.state.pass_applications = n;
             if (n == 0) continue;
             const std::int64_t folded = passes_ == 0 ? 0 : l.state.captured_applications;
-            const double n_a = static_cast<double>(l.host.description.a_storage_cols()),
-                         n_g = static_cast<double>(l.host.description.g_dim());
+            const double n_a = static_cast<double>(d.a_storage_cols()), n_g = static_cast<double>(d.g_dim());
+            const layer_description block = d.group_block();
             // Cost ∝ rows of the product × n²: the input elements stand in for rows × n.
-            tasks.push_back({a_elements * n_a, [&l, a = std::move(a), folded, this] {
+            tasks.push_back({a_elements * n_a, [&l, a = std::move(a), block, folded, this] {
                                  in_layer(l, [&] {
                                      for (std::size_t i = 0; i < a.size(); ++i)
-                                         Backend::accumulate_a_statistic(l.state.a_sum, l.host.description, a[i],
+                                         Backend::accumulate_a_statistic(l.state.a_sum, block, a[i],
                                                                          options_.conv_patches, first_beta(folded, i),
                                                                          l.scratch.a_ws);
                                  });
                              }});
-            tasks.push_back({g_elements * n_g, [&l, g = std::move(g), folded] {
+            tasks.push_back({g_elements * n_g, [&l, g = std::move(g), block, folded] {
                                  in_layer(l, [&] {
                                      for (std::size_t i = 0; i < g.size(); ++i)
-                                         Backend::accumulate_g_statistic(l.state.g_sum, l.host.description, g[i],
+                                         Backend::accumulate_g_statistic(l.state.g_sum, block, g[i],
                                                                          first_beta(folded, i), l.scratch.g_ws);
                                  });
                              }});
@@ -730,10 +764,11 @@ private:
         return folded_before == 0 && i == 0 ? scalar_type(0) : scalar_type(1);
     }
 
-    /// Tells every layer's host that the current pass has been read (traits' end_pass).
+    /// Tells every layer's host that the current pass has been read (traits' end_pass), once
+    /// per layer (a grouped convolution's records share their layer).
     void end_pass() {
         for (auto& l : layers_)
-            if (l.host.end_pass) l.host.end_pass(l.host.layer);
+            if (l.host.end_pass && l.host.group == 0) l.host.end_pass(l.host.layer);
     }
 
     /// Running averages F ← ξF + (1 − ξ)F̂, F̂ the mean of the step's applications' batch
@@ -898,20 +933,27 @@ private:
         }
     }
 
+    /// The record's weight and bias gradient views: its group's rows of the layer's.
+    static tensor_view<scalar_type> weight_gradient_of(const layer_record& l) {
+        return detail::group_rows(l.host.weight_gradient(l.host.layer), l.host.group, l.host.description.groups());
+    }
+    static tensor_view<scalar_type> bias_gradient_of(const layer_record& l) {
+        return detail::group_rows(l.host.bias_gradient(l.host.layer), l.host.group, l.host.description.groups());
+    }
     /// l.scratch.gamma ← Γᵀ (A_dim × G_dim) from the host's gradient views.
     static void load_gradient(layer_record& l) {
-        const auto w = as_const(l.host.weight_gradient(l.host.layer));
+        const auto w = as_const(weight_gradient_of(l));
         if constexpr (detail::backend_with_diagonal_factors<Backend>)
             if (l.host.description.weight_is_in_by_out()) return Backend::load_gradient_transposed(l.scratch.gamma, w);
-        Backend::load_gradient(l.scratch.gamma, w, as_const(l.host.bias_gradient(l.host.layer)));
+        Backend::load_gradient(l.scratch.gamma, w, as_const(bias_gradient_of(l)));
     }
     /// The host's gradient views ← scale · Pᵀ, as load_gradient read them.
     static void store_gradient(layer_record& l, scalar_type scale) {
-        const auto w = l.host.weight_gradient(l.host.layer);
+        const auto w = weight_gradient_of(l);
         if constexpr (detail::backend_with_diagonal_factors<Backend>)
             if (l.host.description.weight_is_in_by_out())
                 return Backend::store_gradient_transposed(l.scratch.preconditioned, scale, w);
-        Backend::store_gradient(l.scratch.preconditioned, scale, w, l.host.bias_gradient(l.host.layer));
+        Backend::store_gradient(l.scratch.preconditioned, scale, w, bias_gradient_of(l));
     }
 
     /// ν = min(1, √(κ / |η² Σ_layers ⟨P, Γ⟩|)), 1 without kl_clip or when the sum is 0.

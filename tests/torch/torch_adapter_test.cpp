@@ -384,10 +384,6 @@ TEST_CASE("torch adapter errors name the layer", "[torch][errors]") {
     }
     SECTION("unsupported convolutions") {
         kfac::torch::tracker<float> tracker;
-        kfac::KFAC<> precond;
-        auto grouped = nn::Conv2d(nn::Conv2dOptions(4, 4, 3).groups(2));
-        CHECK_THROWS_WITH(precond.register_layer("grouped", tracker.track("grouped", grouped)),
-                          Catch::Contains("layer 'grouped'") && Catch::Contains("groups = 2"));
         auto same_even = nn::Conv2d(nn::Conv2dOptions(1, 2, 2).padding(torch::kSame));
         CHECK_THROWS_WITH(tracker.track("same", same_even), Catch::Contains("layer 'same'") && Catch::Contains("unevenly"));
         auto same_odd = nn::Conv2d(nn::Conv2dOptions(1, 2, 3).padding(torch::kSame).dilation(2));
@@ -562,7 +558,8 @@ TEST_CASE("frozen layers are left out, and a frozen layer is not tracked", "[tor
 
 TEST_CASE("register_modules registers all layers or none, and reports what it leaves out", "[torch][registration]") {
     // Before: a failure half-way left the tracker half-filled, and a retry with skip_layers
-    // failed with "already tracked"; a grouped convolution failed the registration.
+    // failed with "already tracked"; a grouped convolution failed the registration (it is
+    // now registered, one block per group).
     torch::manual_seed(23);
     struct model_impl : nn::Module {
         nn::Conv2d stem{nullptr}, grouped{nullptr}, same{nullptr};
@@ -593,15 +590,14 @@ TEST_CASE("register_modules registers all layers or none, and reports what it le
     opts.skip_layers = {"^same$"};
     kfac::KFAC<> precond(opts);
     const auto report = kfac::torch::register_modules(precond, tracker, model);
-    CHECK(report.registered == std::vector<std::string>{"stem", "head"});
-    CHECK(tracker.size() == 2);
-    REQUIRE(report.not_preconditioned.size() == 3);
+    CHECK(report.registered == std::vector<std::string>{"stem", "grouped", "head"});
+    CHECK(tracker.size() == 3);
+    CHECK(precond.is_registered("grouped/group1"));
+    REQUIRE(report.not_preconditioned.size() == 2);
     CHECK(report.not_preconditioned[0].name == "bn");
     CHECK(report.not_preconditioned[0].module == "torch::nn::BatchNorm2d");
-    CHECK(report.not_preconditioned[1].name == "grouped");
-    CHECK_THAT(report.not_preconditioned[1].reason, Catch::Contains("groups = 2"));
-    CHECK(report.not_preconditioned[2].name == "same");
-    CHECK_THAT(report.summary(), Catch::Contains("K-FAC preconditions 2 layers;") &&
+    CHECK(report.not_preconditioned[1].name == "same");
+    CHECK_THAT(report.summary(), Catch::Contains("K-FAC preconditions 3 layers;") &&
                                      Catch::Contains("torch::nn::BatchNorm2d (no K-FAC block for this module type): bn;") &&
                                      Catch::Contains("(matched by options.skip_layers): same"));
     model->forward(torch::randn({3, 1, 6, 6})).square().sum().backward();
@@ -872,4 +868,100 @@ TEST_CASE("Embeddings whose gradient is not the plain one are left out, by reaso
     CHECK_THROWS_WITH(tracker.track("by_freq", by_freq), Catch::Contains("layer 'by_freq' (torch::nn::Embedding)") &&
                                                              Catch::Contains("scale_grad_by_freq"));
     CHECK(tracker.size() == 0);
+}
+
+TEST_CASE("grouped and depthwise Conv2d modules precondition like plain views, one block per group", "[torch][grouped_conv]") {
+    // A ResNeXt-style bottleneck (1x1 reduce, 3x3 grouped conv of cardinality 4, 1x1 expand,
+    // shortcut) followed by a MobileNet-style depthwise 3x3 (multiplier 2, stride 2), pooled
+    // into a Linear head.
+    using T = double;
+    torch::manual_seed(41);
+    auto reduce = nn::Conv2d(nn::Conv2dOptions(8, 8, 1).bias(false));
+    auto grouped = nn::Conv2d(nn::Conv2dOptions(8, 8, 3).padding(1).groups(4).bias(false));
+    auto expand = nn::Conv2d(nn::Conv2dOptions(8, 8, 1));
+    auto depthwise = nn::Conv2d(nn::Conv2dOptions(8, 16, 3).stride(2).padding(1).groups(8));
+    auto head = nn::Linear(16, 3);
+    auto model = nn::Sequential();
+    model->push_back("reduce", reduce);
+    model->push_back("grouped", grouped);
+    model->push_back("expand", expand);
+    model->push_back("depthwise", depthwise);
+    model->push_back("head", head);
+    model->to(torch::kDouble);
+
+    kfac::options opts;
+    opts.damping = 0.01;
+    opts.threads = 2;
+    using precond_t = kfac::KFAC<kfac::backend::cpu_eigen<T>>;
+    kfac::torch::tracker<T> tracker;
+    precond_t through_torch(opts), through_views(opts);
+    const auto report = kfac::torch::register_modules(through_torch, tracker, model);
+    const std::vector<std::string> names{"reduce", "grouped", "expand", "depthwise", "head"};
+    CHECK(report.registered == names);
+    CHECK(report.not_preconditioned.empty());
+    CHECK(through_torch.layer_count() == 1 + 4 + 1 + 8 + 1);
+    const auto layers = through_torch.layers();
+    CHECK(layers[1].name == "grouped/group0");
+    CHECK(layers[1].a_dim == 2 * 9);
+    CHECK(layers[1].g_dim == 2);
+    CHECK(layers[6].name == "depthwise/group0");
+    CHECK(layers[6].a_dim == 9 + 1);
+    CHECK(layers[6].g_dim == 2);
+
+    std::vector<copied_layer<T>> copies(5);
+    auto conv = [](std::int64_t k, std::int64_t stride, std::int64_t padding, std::int64_t groups) {
+        kfac::conv2d_geometry g;
+        g.kernel = {k, k};
+        g.stride = {stride, stride};
+        g.padding = {padding, padding};
+        g.groups = groups;
+        return g;
+    };
+    copies[0].view.description = kfac::conv2d_description(8, 8, conv(1, 1, 0, 1), false);
+    copies[1].view.description = kfac::conv2d_description(8, 8, conv(3, 1, 1, 4), false);
+    copies[2].view.description = kfac::conv2d_description(8, 8, conv(1, 1, 0, 1), true);
+    copies[3].view.description = kfac::conv2d_description(8, 16, conv(3, 2, 1, 8), true);
+    copies[4].view.description = kfac::linear_description(16, 3, true);
+    for (std::size_t i = 0; i < 5; ++i) through_views.register_layer(names[i], copies[i].view);
+
+    const double tol = 1024.0 * std::numeric_limits<T>::epsilon();  // as in the first test of this file
+    for (int step = 0; step < 3; ++step) {
+        INFO("step " << step);
+        const auto x = torch::randn({4, 8, 6, 6}, torch::kDouble);
+        const auto target = torch::randint(0, 3, {4}, torch::kLong);
+        model->zero_grad();
+        auto o1 = reduce(x);
+        auto a2 = torch::relu(o1);
+        auto o2 = grouped(a2);
+        auto a3 = torch::relu(o2);
+        auto o3 = expand(a3);
+        auto a4 = torch::relu(o3 + x);  // the shortcut
+        auto o4 = depthwise(a4);
+        auto a5 = torch::relu(o4).mean({2, 3});
+        auto o5 = head(a5);
+        for (auto* o : {&o1, &o2, &o3, &o4, &o5}) o->retain_grad();
+        F::cross_entropy(o5, target).backward();
+        const std::vector<torch::Tensor> inputs{x, a2, a3, a4, a5}, outputs{o1, o2, o3, o4, o5};
+        for (std::size_t i = 0; i < 5; ++i) {
+            INFO("layer " << names[i]);
+            copies[i].set_statistics(inputs[i], outputs[i].grad());
+            CHECK(torch::equal(tracker.layer(names[i]).input(), inputs[i]));
+        }
+        copies[0].set_gradients(reduce->weight, torch::Tensor());
+        copies[1].set_gradients(grouped->weight, torch::Tensor());
+        copies[2].set_gradients(expand->weight, expand->bias);
+        copies[3].set_gradients(depthwise->weight, depthwise->bias);
+        copies[4].set_gradients(head->weight, head->bias);
+        through_torch.step();
+        through_views.step();
+        CHECK(rel_err<T>(reduce->weight.grad(), copies[0].grad_weight) <= tol);
+        CHECK(rel_err<T>(grouped->weight.grad(), copies[1].grad_weight) <= tol);
+        CHECK(rel_err<T>(expand->weight.grad(), copies[2].grad_weight) <= tol);
+        CHECK(rel_err<T>(depthwise->weight.grad(), copies[3].grad_weight) <= tol);
+        CHECK(rel_err<T>(depthwise->bias.grad(), copies[3].grad_bias) <= tol);
+        CHECK(rel_err<T>(head->weight.grad(), copies[4].grad_weight) <= tol);
+        torch::NoGradGuard no_grad;
+        for (auto& p : model->parameters()) p.sub_(0.1 * p.grad());
+    }
+    CHECK(through_torch.a_factor("grouped/group3").isApprox(through_views.a_factor("grouped/group3"), tol));
 }

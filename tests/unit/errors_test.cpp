@@ -45,8 +45,9 @@ TEST_CASE("registration errors", "[errors][registration]") {
     CHECK_THROWS_WITH(p.register_layer("fc", l.view), Contains("'fc' is already registered"));
 
     kfac::layer_view<double> grouped;
-    grouped.description = kfac::conv2d_description(4, 4, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 2}, false);
-    CHECK_THROWS_WITH(p.register_layer("dw", grouped), Contains("layer 'dw'") && Contains("groups = 2") && Contains("skip_layers"));
+    grouped.description = kfac::conv2d_description(4, 4, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 3}, false);
+    CHECK_THROWS_WITH(p.register_layer("dw", grouped), Contains("layer 'dw'") && Contains("groups = 3") &&
+                                                           Contains("must be positive and divide both"));
 
     kfac::layer_view<double> empty;
     empty.description = kfac::linear_description(0, 3, false);

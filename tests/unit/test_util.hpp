@@ -85,7 +85,7 @@ struct owned_layer {
         else if (d.kind == kfac::layer_kind::embedding)
             view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.in, d.out});
         else
-            view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});
+            view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.per_group(d.in), d.conv.kernel[0], d.conv.kernel[1]});
         view.grad_bias = d.bias ? kfac::tensor_view<T>(grad_bias.data(), {d.out}) : kfac::tensor_view<T>{};
     }
 };
@@ -115,7 +115,7 @@ owned_layer<T> random_conv(std::int64_t n, std::int64_t c_in, std::int64_t c_out
     const std::int64_t wo = kfac::conv_output_extent(w, g.kernel[1], g.stride[1], g.padding[1], g.dilation[1]);
     l.input = random_vector<T>(static_cast<std::size_t>(n * c_in * h * w), seed);
     l.grad_output = random_vector<T>(static_cast<std::size_t>(n * c_out * ho * wo), seed + 1, 1.0 / static_cast<double>(n));
-    l.grad_weight = random_vector<T>(static_cast<std::size_t>(c_out * c_in * g.kernel[0] * g.kernel[1]), seed + 2, 0.1);
+    l.grad_weight = random_vector<T>(static_cast<std::size_t>(c_out * (c_in / g.groups) * g.kernel[0] * g.kernel[1]), seed + 2, 0.1);
     l.grad_bias = random_vector<T>(static_cast<std::size_t>(c_out), seed + 3, 0.1);
     l.input_shape = {n, c_in, h, w};
     l.output_shape = {n, c_out, ho, wo};

@@ -17,7 +17,11 @@ namespace kfac::detail {
 /// traits have the single-view form reports one application per pass.
 template <class Scalar>
 struct layer_binding {
+    /// The record's name: the registered name, or for group j of a grouped convolution (one
+    /// record per group, see group_views.hpp) "<registered name>/group<j>".
     std::string name;
+    std::string registered_name;  ///< the name register_layer() was given
+    std::int64_t group = 0;       ///< which of description.groups() blocks the record is
     layer_description description;
     void* layer = nullptr;
     std::int64_t (*applications)(const void*) = nullptr;

@@ -41,6 +41,7 @@ inline std::string describe_layer(const std::string& name, const layer_descripti
     std::string s = "layer '" + name + "' (" + kind_name(d.kind) + " " + std::to_string(d.in) +
                     "->" + std::to_string(d.out);
     if (is_convolution(d.kind)) s += ", kernel " + geometry_text(d, d.conv.kernel);
+    if (is_convolution(d.kind) && d.conv.groups != 1) s += ", groups " + std::to_string(d.conv.groups);
     if (d.sharing != weight_sharing::expand) s += std::string(", weight sharing ") + sharing_name(d.sharing);
     return s + (d.bias ? ", bias)" : ", no bias)");
 }
@@ -98,19 +99,20 @@ inline void check_description(const std::string& name, const layer_description& 
                 throw error(who + ": kernel, stride and dilation must be positive and padding "
                                   "non-negative");
         }
-        if (c.groups != 1)
-            throw error(who + ": groups = " + std::to_string(c.groups) +
-                        " is not supported (K-FAC's factors here assume a dense kernel); exclude "
-                        "the layer with options.skip_layers");
+        if (c.groups < 1 || d.in % c.groups != 0 || d.out % c.groups != 0)
+            throw error(who + ": groups = " + std::to_string(c.groups) + " must be positive and divide both " +
+                        std::to_string(d.in) + " input and " + std::to_string(d.out) +
+                        " output channels, as the convolution's own groups do; describe the layer with "
+                        "the module's groups");
     }
     // A factor's dimension is a BLAS dimension (and its square the factor's size).
-    std::int64_t columns = d.in;
+    std::int64_t columns = d.per_group(d.in);
     if (is_convolution(d.kind) &&
-        (__builtin_mul_overflow(d.in, d.conv.kernel[0], &columns) ||
+        (__builtin_mul_overflow(columns, d.conv.kernel[0], &columns) ||
          __builtin_mul_overflow(columns, d.conv.kernel[1], &columns)))
         columns = blas_int_max + 1;
     if (columns >= blas_int_max || d.out > blas_int_max)
-        throw error(who + ": a factor dimension of " + std::to_string(columns) + " x " + std::to_string(d.out) +
+        throw error(who + ": a factor dimension of " + std::to_string(columns) + " x " + std::to_string(d.g_dim()) +
                     " exceeds what a BLAS call takes (" + std::to_string(blas_int_max) +
                     "); exclude the layer with options.skip_layers");
 }
@@ -276,10 +278,11 @@ void check_gradient_views(const std::string& name, const layer_description& d,
     check_memory_space(who, "bias gradient", b, device_backend, probe);
     const bool one_d = d.kind == layer_kind::conv1d, embedding = d.kind == layer_kind::embedding;
     const bool linear = d.kind == layer_kind::linear || embedding;
-    const std::int64_t rows = embedding ? d.in : d.out, cols = embedding ? d.out : d.in;
+    // A grouped convolution's weight is [C_out, C_in/groups, kernel...].
+    const std::int64_t rows = embedding ? d.in : d.out, cols = embedding ? d.out : d.per_group(d.in);
     const std::string expected = linear ? shape_text({rows, cols})
-                                 : one_d ? shape_text({d.out, d.in, d.conv.kernel[1]})
-                                         : shape_text({d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});
+                                 : one_d ? shape_text({d.out, cols, d.conv.kernel[1]})
+                                         : shape_text({d.out, cols, d.conv.kernel[0], d.conv.kernel[1]});
     bool ok = !w.empty() && w.rank == (linear ? 2 : one_d ? 3 : 4) && w.extent(0) == rows && w.extent(1) == cols;
     if (ok && one_d) ok = w.extent(2) == d.conv.kernel[1];
     if (ok && d.kind == layer_kind::conv2d) ok = w.extent(2) == d.conv.kernel[0] && w.extent(3) == d.conv.kernel[1];

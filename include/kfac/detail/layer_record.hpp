@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kfac/assignment/distribution_plan.hpp"
 #include "kfac/detail/layer_binding.hpp"
@@ -43,9 +44,13 @@ struct layer_state {
 template <class Backend, class Method>
 struct layer_scratch {
     using matrix = typename Backend::matrix;
+    using scalar = typename Backend::scalar_type;
     typename Backend::workspace a_ws{}, g_ws{};  ///< of the A and G statistics
     typename Method::workspace method_ws{};
     matrix gamma, preconditioned;  ///< Γᵀ and Pᵀ (A_dim × G_dim), see Backend::load_gradient
+    /// A grouped convolution's block: its channels of each application's activations and
+    /// output gradients (group_views.hpp), gathered for the statistics.
+    std::vector<std::vector<scalar>> group_channels;
     bool usable = true;            ///< false: this step's gradient is zeroed
     bool active = true;            ///< false: no gradient this step (the host left it alone)
 };

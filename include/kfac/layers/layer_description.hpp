@@ -91,6 +91,13 @@ struct conv1d_geometry {
 };
 
 /// Linear: `in` = in_features, `out` = out_features. Conv: `in` = C_in, `out` = C_out.
+///
+/// A grouped convolution (conv.groups = g > 1; depthwise when g = C_in) is g independent
+/// convolutions: output channels [j·C_out/g, (j+1)·C_out/g) see only input channels
+/// [j·C_in/g, (j+1)·C_in/g). Its curvature has one Kronecker block per group, A_j over the
+/// group's input patches and G_j over its output channels (frontier.md §3.6), so a_dim() and
+/// g_dim() are the dimensions of one group's block, and group_block() is the groups = 1
+/// layer that block belongs to.
 struct layer_description {
     layer_kind kind = layer_kind::linear;
     std::int64_t in = 0;
@@ -99,14 +106,25 @@ struct layer_description {
     conv2d_geometry conv{};  ///< ignored for linear layers; {1, k}-style for conv1d
     weight_sharing sharing = weight_sharing::expand;
 
-    /// Columns of the weight gradient reshaped to [out, ·]: in or C_in·k_h·k_w.
+    /// Kronecker blocks of the layer: a convolution's groups, 1 for every other kind.
+    [[nodiscard]] std::int64_t groups() const noexcept { return is_convolution(kind) ? conv.groups : 1; }
+    /// Columns of the weight gradient reshaped to [out, ·]: in, or (C_in/groups)·k_h·k_w.
     [[nodiscard]] std::int64_t weight_columns() const noexcept {
-        return kind == layer_kind::linear ? in : in * conv.kernel[0] * conv.kernel[1];
+        return is_convolution(kind) ? per_group(in) * conv.kernel[0] * conv.kernel[1] : in;
     }
-    /// Dimension of the A factor (bias adds one, the last, row and column).
+    /// Dimension of the A factor (of one group's block; bias adds one, the last, row and column).
     [[nodiscard]] std::int64_t a_dim() const noexcept { return weight_columns() + (bias ? 1 : 0); }
-    /// Dimension of the G factor.
-    [[nodiscard]] std::int64_t g_dim() const noexcept { return out; }
+    /// Dimension of the G factor (of one group's block).
+    [[nodiscard]] std::int64_t g_dim() const noexcept { return per_group(out); }
+    /// The layer of one group's block: the same geometry with C_in/groups inputs, C_out/groups
+    /// outputs and groups = 1 (the layer itself when it has one group).
+    [[nodiscard]] layer_description group_block() const noexcept {
+        layer_description b = *this;
+        b.in = per_group(in);
+        b.out = g_dim();
+        b.conv.groups = 1;
+        return b;
+    }
     /// How the A factor is stored (G is always dense).
     [[nodiscard]] factor_structure a_structure() const noexcept {
         return kind == layer_kind::embedding ? factor_structure::diagonal : factor_structure::dense;
@@ -114,6 +132,11 @@ struct layer_description {
     /// Columns of the A factor's storage: a_dim(), or 1 for a diagonal factor.
     [[nodiscard]] std::int64_t a_storage_cols() const noexcept {
         return a_structure() == factor_structure::diagonal ? 1 : a_dim();
+    }
+    /// `channels` split over the groups (a description with groups < 1, which registration
+    /// refuses, is read as one group so that its arithmetic stays defined).
+    [[nodiscard]] std::int64_t per_group(std::int64_t channels) const noexcept {
+        return groups() > 0 ? channels / groups() : channels;
     }
     /// The weight gradient is [in, out] (an Embedding's [V, E]), the transpose of the
     /// [out, in] of Linear and convolution weights.

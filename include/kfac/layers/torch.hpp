@@ -87,8 +87,9 @@
 /// Conv2d and Conv1d geometry is read from the module's options. Zero padding is described as padding;
 /// with a `reflect`, `replicate` or `circular` padding mode LibTorch pads the input itself
 /// before an unpadded convolution, so the factors are built from that padded input (padding 0
-/// in the description), the patches the convolution really multiplies. A convolution with `groups` ≠ 1
-/// is not preconditioned: register_modules leaves it to the host's optimizer and reports it.
+/// in the description), the patches the convolution really multiplies. A grouped or depthwise
+/// convolution (`groups` ≠ 1) is preconditioned as one Kronecker block per group, registered as
+/// "<name>/group<j>" (see layer_description); it needs a host backend.
 ///
 /// An Embedding is preconditioned unless its gradient is not the plain one: `sparse` (a sparse
 /// .grad()) and `scale_grad_by_freq` (a gradient already divided by the token counts, which A
@@ -530,15 +531,11 @@ inline std::string embedding_left_out(const ::torch::nn::EmbeddingImpl& e) {
     return {};
 }
 
-/// The weight and `groups` of a tracked convolution module (nullopt for other modules).
-struct conv_module {
-    const at::Tensor* weight;
-    std::int64_t groups;
-};
-inline std::optional<conv_module> as_conv(const ::torch::nn::Module* m) {
-    if (const auto* c = dynamic_cast<const ::torch::nn::Conv2dImpl*>(m)) return conv_module{&c->weight, c->options.groups()};
-    if (const auto* c = dynamic_cast<const ::torch::nn::Conv1dImpl*>(m)) return conv_module{&c->weight, c->options.groups()};
-    return std::nullopt;
+/// The weight of a tracked convolution module (nullptr for other modules).
+inline const at::Tensor* conv_weight(const ::torch::nn::Module* m) {
+    if (const auto* c = dynamic_cast<const ::torch::nn::Conv2dImpl*>(m)) return &c->weight;
+    if (const auto* c = dynamic_cast<const ::torch::nn::Conv1dImpl*>(m)) return &c->weight;
+    return nullptr;
 }
 
 /// The library's skip rule (preconditioner::register_layer): a pattern that matches the name
@@ -876,10 +873,10 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
             left_out("matched by options.skip_layers");
             continue;
         }
-        const auto conv = as_conv(m.get());
+        const at::Tensor* conv = conv_weight(m.get());
         const auto* linear = dynamic_cast<const ::torch::nn::LinearImpl*>(m.get());
         const auto* embedding = dynamic_cast<const ::torch::nn::EmbeddingImpl*>(m.get());
-        const at::Tensor& weight = conv ? *conv->weight : linear ? linear->weight : embedding->weight;
+        const at::Tensor& weight = conv ? *conv : linear ? linear->weight : embedding->weight;
         if (weight.defined() && !weight.requires_grad()) {
             left_out("frozen: the weight has requires_grad = false");
             continue;
@@ -889,11 +886,6 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
                 left_out(std::move(why));
                 continue;
             }
-        if (conv && conv->groups != 1) {
-            left_out("groups = " + std::to_string(conv->groups) +
-                     ": grouped and depthwise convolutions have no K-FAC block here yet");
-            continue;
-        }
         auto s = tracker.prepare(name, m, states);
         kfac::detail::check_description(name, s->description);
         states.push_back(std::move(s));
@@ -929,10 +921,9 @@ tracked_modules<Scalar> track_modules(tracker<Scalar>& tracker, const Model& mod
 /// "p.conv1", ...). All or nothing: every module is checked before any is tracked or registered,
 /// so after an error the tracker and the preconditioner are as they were. Left out, and
 /// listed in the report with the reason: layers options.skip_layers matches, frozen layers
-/// (weight with requires_grad false), grouped or depthwise convolutions (groups ≠ 1), sparse or
-/// scale_grad_by_freq Embeddings, and every other module with parameters of its own
-/// (BatchNorm, LayerNorm, ...), whose parameters
-/// stay the host optimizer's alone.
+/// (weight with requires_grad false), sparse or scale_grad_by_freq Embeddings, and every other
+/// module with parameters of its own (BatchNorm, LayerNorm, ...), whose parameters stay the
+/// host optimizer's alone.
 /// @throws kfac::error as tracker::track and preconditioner::register_layer do.
 template <class Preconditioner, class Scalar, class Model>
 registration register_modules(Preconditioner& preconditioner, tracker<Scalar>& tracker, const Model& model,
