@@ -341,13 +341,14 @@ private:
             const void* object = detail::bind_layer<scalar_type>(layer).layer;
             layer_description d = traits::describe(layer);
             const std::int64_t groups = d.groups() > 1 ? d.groups() : 1;
-            auto block_name = [&](std::int64_t j) {
-                return groups == 1 ? name : name + "/group" + std::to_string(j);
-            };
+            const std::string block_prefix = name + "/group";
+            auto block_name = [&](std::int64_t j) { return groups == 1 ? name : block_prefix + std::to_string(j); };
+            // Taken: the name itself, or (for a grouped layer) any "<name>/group..." record name;
+            // one comparison per registered record, however many groups either layer has.
             for (const auto* registered : {&layers_, &pending})
                 for (const auto& l : *registered) {
-                    bool taken = l.host.name == name || l.host.registered_name == name;
-                    for (std::int64_t j = 0; j < groups && !taken; ++j) taken = l.host.name == block_name(j);
+                    const bool taken = l.host.name == name || l.host.registered_name == name ||
+                                       (groups > 1 && l.host.name.rfind(block_prefix, 0) == 0);
                     if (taken)
                         throw error("layer '" + name + "' is already registered; give each layer a "
                                     "unique name");

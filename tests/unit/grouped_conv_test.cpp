@@ -317,6 +317,12 @@ TEST_CASE("grouped convolution names, checkpoints and errors", "[grouped_conv][c
         CHECK_THROWS_WITH(p.register_layer("conv", other.view), Catch::Contains("already registered"));
         CHECK_THROWS_WITH(p.register_layer("again", l.view), Catch::Contains("already registered as 'conv'"));
         CHECK(p.layer_count() == 2);
+        // A plain layer that took a block's name first.
+        auto second = random_conv<T>(2, 4, 6, geo, false, 5, 5, 3);
+        kfac::KFAC<backend<T>> q(opts);
+        q.register_layer("dw/group1", other.view);
+        CHECK_THROWS_WITH(q.register_layer("dw", second.view), Catch::Contains("'dw' is already registered"));
+        CHECK(q.layer_count() == 1);
     }
     SECTION("a dense-shaped weight gradient names the grouped shape") {
         auto l = random_conv<T>(2, 4, 6, geo, false, 5, 5, 1);
