@@ -19,7 +19,7 @@
 
 #include <benchmark/benchmark.h>
 
-#include "blas_context.hpp"
+#include "bench_main.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -316,12 +316,6 @@ BENCHMARK_TEMPLATE(inv_lapack_potri, double)->Apply(size_4608);
 #endif
 
 int main(int argc, char** argv) {
-    kfac_bench::add_blas_context();
-    benchmark::AddCustomContext("KFAC_EIGEN_SOLVER_MAX_DIM",
-                                std::to_string(KFAC_EIGEN_SOLVER_MAX_DIM));
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-    benchmark::RunSpecifiedBenchmarks();
-    benchmark::Shutdown();
-    return 0;
+    benchmark::AddCustomContext("KFAC_EIGEN_SOLVER_MAX_DIM", std::to_string(KFAC_EIGEN_SOLVER_MAX_DIM));
+    return kfac_bench::run_cpu_benchmarks(argc, argv);
 }

@@ -26,7 +26,7 @@
 
 #include <benchmark/benchmark.h>
 
-#include "blas_context.hpp"
+#include "bench_main.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -435,11 +435,6 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-    kfac_bench::add_blas_context();
     register_all();
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-    benchmark::RunSpecifiedBenchmarks();
-    benchmark::Shutdown();
-    return 0;
+    return kfac_bench::run_cpu_benchmarks(argc, argv);
 }
