@@ -14,6 +14,7 @@
 #include <benchmark/benchmark.h>
 
 #include "bench_main.hpp"
+#include "one_layer_steps.hpp"
 
 #include <cstdint>
 #include <random>
@@ -59,19 +60,7 @@ template <class Method>
 void bm_embedding(benchmark::State& state, bool as_one_hot) {
     const std::int64_t vocabulary = state.range(0);
     embedding_case c(vocabulary, as_one_hot);
-    kfac::options o;
-    o.factor_update_steps = 1;
-    o.inv_update_steps = 1;
-    kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::serial, Method> p(o);
-    p.register_layer("tokens", c.view);
-    p.step();  // first-step allocations outside the timing
-    for (auto _ : state) {
-        state.PauseTiming();
-        c.grad_weight = c.saved_weight;  // step() overwrote it
-        state.ResumeTiming();
-        p.step();
-        benchmark::DoNotOptimize(c.grad_weight.data());
-    }
+    kfac_bench::time_full_steps<Method>(state, c.view, [&] { c.grad_weight = c.saved_weight; });
     state.counters["V"] = static_cast<double>(vocabulary);
 }
 

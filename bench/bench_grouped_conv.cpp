@@ -15,6 +15,7 @@
 #include <benchmark/benchmark.h>
 
 #include "bench_main.hpp"
+#include "one_layer_steps.hpp"
 
 #include <cstdint>
 #include <random>
@@ -58,22 +59,12 @@ template <class Method>
 void bm_conv(benchmark::State& state, bool depthwise) {
     const std::int64_t channels = state.range(0);
     conv_case c(channels, depthwise ? channels : 1);
-    kfac::options o;
-    o.factor_update_steps = 1;
-    o.inv_update_steps = 1;
-    kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::serial, Method> p(o);
-    p.register_layer("conv", c.view);
-    p.step();  // first-step allocations outside the timing
-    for (auto _ : state) {
-        state.PauseTiming();
-        c.grad_weight = c.saved_weight;  // step() overwrote them
+    const std::size_t blocks = kfac_bench::time_full_steps<Method>(state, c.view, [&] {
+        c.grad_weight = c.saved_weight;
         c.grad_bias = c.saved_bias;
-        state.ResumeTiming();
-        p.step();
-        benchmark::DoNotOptimize(c.grad_weight.data());
-    }
+    });
     state.counters["C"] = static_cast<double>(channels);
-    state.counters["blocks"] = static_cast<double>(p.layer_count());
+    state.counters["blocks"] = static_cast<double>(blocks);
     // Wall seconds / (iterations · C · 1e-6): microseconds per group and step.
     state.counters["us_per_group"] = benchmark::Counter(static_cast<double>(state.iterations()) * static_cast<double>(channels) * 1e-6,
                                                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
