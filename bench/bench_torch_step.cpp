@@ -83,6 +83,7 @@ void torch_step(benchmark::State& state, mode m) {
         o.damping = 0.003;
         o.lr = 0.01;
         o.threads = threads();
+        o.skip_layers = {"BatchNorm"};  // as kfac-pytorch, which it is compared with, leaves them
         o.factor_update_steps = m == mode::non_update ? never : 1;
         o.inv_update_steps = m == mode::inverse_update ? 1 : never;
         precond = std::make_unique<preconditioner>(o);

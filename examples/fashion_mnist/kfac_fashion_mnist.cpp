@@ -321,6 +321,10 @@ public:
         opts.factor_update_steps = std::int64_t{o_.factor_update_steps};
         opts.inv_update_steps = std::int64_t{o_.inv_update_steps};
         opts.threads = settings_.threads;
+        // The BatchNorm layers stay the optimizer's, as kfac-pytorch leaves them: the figures
+        // in README.md are this preconditioner's against the reference's (remove the pattern
+        // to give them their unit-wise K-FAC blocks too).
+        opts.skip_layers = {"BatchNorm"};
         // kl_clip's η is the optimizer's learning rate, which follows the schedule.
         const double lr0 = o_.lr;
         opts.lr = [lr0, steps_total](std::int64_t k) { return cosine_lr(lr0, k, steps_total); };

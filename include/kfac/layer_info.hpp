@@ -17,8 +17,8 @@ namespace kfac {
 struct layer_info {
     std::string name;
     layer_kind kind = layer_kind::linear;
-    std::int64_t a_dim = 0;  ///< A factor's dimension (inputs, + 1 with bias; conv: C_in·k_h·k_w [+ 1])
-    std::int64_t g_dim = 0;  ///< G factor's dimension (outputs)
+    std::int64_t a_dim = 0;  ///< A factor's dimension (inputs, + 1 with bias; conv: C_in·k_h·k_w [+ 1]; norm: 1 or 2, its blocks' size)
+    std::int64_t g_dim = 0;  ///< G factor's dimension (outputs; a norm layer's channels, its G being the identity)
     bool bias = false;
     int a_worker = 0;                 ///< rank computing the A factor's second-order data
     int g_worker = 0;                 ///< rank computing the G factor's second-order data

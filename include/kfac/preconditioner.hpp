@@ -28,6 +28,7 @@
 #include "kfac/assignment/kaisa_grid.hpp"
 #include "kfac/assignment/strategies.hpp"
 #include "kfac/backend/diagonal_factors.hpp"
+#include "kfac/backend/unit_wise_factors.hpp"
 #include "kfac/config.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/checkpoint/format.hpp"
@@ -372,10 +373,10 @@ private:
                 r.host.registered_name = name;
                 r.host.group = j;
                 r.host.description = d;
-                const auto a = d.a_dim(), g = d.g_dim();
+                const auto g = d.g_factor_dim();
                 r.state.a_factor = identity_factor(d);
                 r.state.g_factor = Backend::identity(g);
-                r.state.a_sum = Backend::zeros(a, d.a_storage_cols());
+                r.state.a_sum = Backend::zeros(d.a_storage_rows(), d.a_storage_cols());
                 r.state.g_sum = Backend::zeros(g, g);
             }
             return records;
@@ -394,6 +395,10 @@ private:
         if (diagonal && !detail::backend_with_diagonal_factors<Backend>)
             throw error(who + ": this backend has no diagonal factors (kfac/backend/diagonal_factors.hpp), which an "
                         "Embedding needs; use kfac::backend::cpu_eigen, or exclude the layer with options.skip_layers");
+        if (d.a_structure() == factor_structure::unit_wise && !detail::backend_with_unit_wise_factors<Backend>)
+            throw error(who + ": this backend has no unit-wise factors (kfac/backend/unit_wise_factors.hpp), which a " +
+                        kind_name(d.kind) + "'s scale and shift need; use kfac::backend::cpu_eigen, or exclude the "
+                        "layer with options.skip_layers");
         // Token ids travel as scalars: past 2^digits a float or double no longer holds every integer.
         constexpr std::int64_t exact_ids = std::int64_t{1} << std::numeric_limits<scalar_type>::digits;
         // A group's channels are gathered from the host's views in host memory (group_views.hpp).
@@ -406,9 +411,12 @@ private:
                         "(its integers are exact up to " + std::to_string(exact_ids) + "); use a double backend");
     }
 
-    /// A running factor before its first update: the identity (a column of ones when diagonal).
+    /// A running factor before its first update: the identity (a column of ones when diagonal,
+    /// identity blocks when unit-wise).
     static matrix identity_factor(const layer_description& d) {
         if (d.a_structure() == factor_structure::diagonal) return Backend::ones(d.a_dim());
+        if constexpr (detail::backend_with_unit_wise_factors<Backend>)
+            if (d.a_structure() == factor_structure::unit_wise) return Backend::unit_wise_identity(d.g_dim(), d.a_dim());
         return Backend::identity(d.a_dim());
     }
 
@@ -683,16 +691,18 @@ private:
 
     /// The placement of every layer's work at this world size (a pure function of the
     /// layers and the options; kfac/assignment/distribution_plan.hpp). Strategies cost dense
-    /// factors by dimension; a diagonal one of n entries counts as the dense ⌈√n⌉ × ⌈√n⌉ that
-    /// holds as many (its storage; its O(n) work is smaller still).
+    /// factors by dimension; a diagonal or unit-wise one of n stored entries counts as the
+    /// dense ⌈√n⌉ × ⌈√n⌉ that holds as many (its storage; its O(n) work is smaller still).
     [[nodiscard]] assignment::distribution_plan distribution() const {
         std::vector<std::pair<std::int64_t, std::int64_t>> dims;
         for (const auto& l : layers_) {
             const auto& d = l.host.description;
             auto a = d.a_dim();
-            if (d.a_structure() == factor_structure::diagonal)
-                a = static_cast<std::int64_t>(std::ceil(std::sqrt(static_cast<double>(a))));
-            dims.emplace_back(a, d.g_dim());
+            if (d.a_structure() != factor_structure::dense) {
+                const auto stored = static_cast<double>(d.a_storage_rows() * d.a_storage_cols());
+                a = static_cast<std::int64_t>(std::ceil(std::sqrt(stored)));
+            }
+            dims.emplace_back(a, d.g_factor_dim());
         }
         return assignment::plan_distribution<AssignmentStrategy>(dims, comm_.size(), options_.strategy,
                                                                  options_.grad_worker_fraction, options_.colocate_factors);
@@ -737,6 +747,10 @@ private:
             l.state.pass_applications = n;
             if (n == 0) continue;
             const std::int64_t folded = passes_ == 0 ? 0 : l.state.captured_applications;
+            if (d.a_structure() == factor_structure::unit_wise) {  // one statistic of x̂ and dy together
+                tasks.push_back(unit_wise_statistic_task(l, std::move(a), std::move(g), folded, a_elements));
+                continue;
+            }
             const double n_a = static_cast<double>(d.a_storage_cols()), n_g = static_cast<double>(d.g_dim());
             const layer_description block = d.group_block();
             // Cost ∝ rows of the product × n²: the input elements stand in for rows × n.
@@ -757,6 +771,24 @@ private:
                              }});
         }
         agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
+    }
+
+    /// The unit-wise blocks of a normalisation layer from its applications' x̂ and dy views
+    /// (its G, the identity, has no statistic).
+    detail::task unit_wise_statistic_task(layer_record& l, std::vector<tensor_view<const scalar_type>> a,
+                                          std::vector<tensor_view<const scalar_type>> g, std::int64_t folded,
+                                          double elements) {
+        if constexpr (detail::backend_with_unit_wise_factors<Backend>) {
+            return {elements * 3.0, [&l, a = std::move(a), g = std::move(g), folded] {
+                        in_layer(l, [&] {
+                            for (std::size_t i = 0; i < a.size(); ++i)
+                                Backend::accumulate_unit_wise_statistic(l.state.a_sum, l.host.description, a[i], g[i],
+                                                                        first_beta(folded, i), l.scratch.a_ws);
+                        });
+                    }};
+        } else {
+            return {0.0, [] {}};  // not reached: registration refuses the layer on such a backend
+        }
     }
 
     /// β of an application's statistic: 0 for the step's first (it overwrites the sum left
@@ -789,14 +821,15 @@ private:
                 const auto rows = total_rows(l);
                 const auto applications = total_applications(l);
                 if (applications == 0) {  // this rank contributes nothing (the sums are stale)
-                    l.state.a_sum = Backend::zeros(l.host.description.a_dim(), l.host.description.a_storage_cols());
-                    l.state.g_sum = Backend::zeros(l.host.description.g_dim(), l.host.description.g_dim());
+                    const auto& d = l.host.description;
+                    l.state.a_sum = Backend::zeros(d.a_storage_rows(), d.a_storage_cols());
+                    l.state.g_sum = Backend::zeros(d.g_factor_dim(), d.g_factor_dim());
                 } else {
                     const auto w = rows / static_cast<scalar_type>(applications);
                     Backend::scale_symmetric(l.state.a_sum, w);
                     Backend::scale_symmetric(l.state.g_sum, w);
                 }
-                for (matrix* sum : {&l.state.a_sum, &l.state.g_sum}) {  // a diagonal A is no triangle
+                for (matrix* sum : {&l.state.a_sum, &l.state.g_sum}) {  // a diagonal or unit-wise A is no triangle
                     const auto n = static_cast<std::size_t>(sum->size());
                     const bool triangle = sum->cols() == sum->rows();
                     items.push_back({staging_.stage(sum->data(), n, true, true), n, triangle, sum->rows()});
@@ -816,7 +849,8 @@ private:
             const auto weight = static_cast<scalar_type>((1.0 - decay) / count);
             if (Backend::lower_all_finite(l.state.a_sum) && Backend::lower_all_finite(l.state.g_sum)) {
                 Backend::running_average(l.state.a_factor, l.state.a_sum, xi, weight);
-                Backend::running_average(l.state.g_factor, l.state.g_sum, xi, weight);
+                if (l.host.description.g_structure() == factor_structure::dense)  // the identity stays
+                    Backend::running_average(l.state.g_factor, l.state.g_sum, xi, weight);
             } else {
                 outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
             }
@@ -838,8 +872,10 @@ private:
             auto& l = layers_[i];
             auto& r = results[i];
             const auto& d = l.host.description;
-            const double n_a = static_cast<double>(d.a_dim()), n_g = static_cast<double>(d.g_dim());
-            const double a_cost = d.a_structure() == factor_structure::diagonal ? n_a : n_a * n_a * n_a;
+            const double n_a = static_cast<double>(d.a_dim()), n_g = static_cast<double>(d.g_factor_dim());
+            const double a_cost = d.a_structure() == factor_structure::dense
+                                      ? n_a * n_a * n_a
+                                      : static_cast<double>(d.a_storage_rows() * d.a_storage_cols());
             if (l.role.computes_a)
                 tasks.push_back({a_cost, [&l, &r, damping] {
                                      in_layer(l, [&] {
@@ -850,7 +886,8 @@ private:
             if (l.role.computes_g)
                 tasks.push_back({n_g * n_g * n_g, [&l, &r, damping] {
                                      in_layer(l, [&] {
-                                         r.ok_g = method::compute_factor(l.state.g_factor, factor_structure::dense, damping, r.g);
+                                         r.ok_g = method::compute_factor(l.state.g_factor, l.host.description.g_structure(),
+                                                                         damping, r.g);
                                      });
                                  }});
         }
@@ -898,7 +935,9 @@ private:
             const auto& d = l.host.description;
             const double n_a = static_cast<double>(d.a_dim()), n_g = static_cast<double>(d.g_dim());
             const double a_side = d.a_structure() == factor_structure::diagonal ? 1.0 : n_a;  // a row scaling
-            tasks.push_back({n_a * n_g * (a_side + n_g), [&l, damping, this] { in_layer(l, [&] {
+            // Unit-wise blocks: an a_dim × a_dim product per channel, no G side.
+            const double cost = d.a_structure() == factor_structure::unit_wise ? n_a * n_a * n_g : n_a * n_g * (a_side + n_g);
+            tasks.push_back({cost, [&l, damping, this] { in_layer(l, [&] {
                                  load_gradient(l);
                                  if (!l.role.grad_worker)
                                      l.scratch.preconditioned.resize(l.host.description.a_dim(), l.host.description.g_dim());

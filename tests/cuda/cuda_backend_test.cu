@@ -257,6 +257,19 @@ TEST_CASE("a host pointer marked device memory is refused before anything change
     CHECK(fresh.steps() == 1);
 }
 
+TEST_CASE("normalisation layers are refused by name, before anything is registered", "[cuda][errors][norm]") {
+    // Their unit-wise blocks have no device kernels: the message must say so, not point at
+    // weight sharing `reduce` (a BatchNorm's default), which was checked first.
+    kfac::KFAC<kfac::backend::cuda<float>> precond;
+    kfac::layer_view<float> bn, ln;
+    bn.description = kfac::batch_norm_description(4, true);
+    ln.description = kfac::layer_norm_description(8, false);
+    CHECK_THROWS_WITH(precond.register_layer("bn", bn), Catch::Contains("layer 'bn' (batch_norm 4, shift)") &&
+                                                           Catch::Contains("unit-wise blocks are computed by the CPU"));
+    CHECK_THROWS_WITH(precond.register_layer("ln", ln), Catch::Contains("a layer_norm's unit-wise blocks"));
+    CHECK(precond.layer_count() == 0);
+}
+
 TEST_CASE("a CUDA preconditioner saves and loads the state a CPU one has", "[cuda][checkpoint]") {
     // The same three steps on the CPU and on the device, then each one's checkpoint into the
     // other backend: the factors and the next step's gradients agree to the backends'

@@ -2,8 +2,6 @@
 // The LibTorch adapter (kfac/layers/torch.hpp): what it captures is the input and output
 // gradient of each module, and preconditioning through it gives the same gradients as plain
 // kfac::layer_views built by hand from the same data; its errors name the layer.
-#define CATCH_CONFIG_MAIN  // header-only Catch2: no prebuilt library whose ABI must match LibTorch's
-
 #include <torch/torch.h>
 // LibTorch includes glog, whose CHECK(condition) would shadow Catch's.
 #undef CHECK
@@ -12,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -559,22 +558,24 @@ TEST_CASE("frozen layers are left out, and a frozen layer is not tracked", "[tor
 TEST_CASE("register_modules registers all layers or none, and reports what it leaves out", "[torch][registration]") {
     // Before: a failure half-way left the tracker half-filled, and a retry with skip_layers
     // failed with "already tracked"; a grouped convolution failed the registration (it is
-    // now registered, one block per group).
+    // now registered, one block per group), and so did a BatchNorm (now registered too).
     torch::manual_seed(23);
     struct model_impl : nn::Module {
         nn::Conv2d stem{nullptr}, grouped{nullptr}, same{nullptr};
         nn::BatchNorm2d bn{nullptr};
+        nn::GroupNorm gn{nullptr};
         nn::Linear head{nullptr};
         model_impl() {
             stem = register_module("stem", nn::Conv2d(nn::Conv2dOptions(1, 4, 3).padding(1)));
             bn = register_module("bn", nn::BatchNorm2d(4));
+            gn = register_module("gn", nn::GroupNorm(2, 4));
             grouped = register_module("grouped", nn::Conv2d(nn::Conv2dOptions(4, 4, 3).padding(1).groups(2)));
             same = register_module("same", nn::Conv2d(nn::Conv2dOptions(4, 4, 2).padding(torch::kSame)));
             head = register_module("head", nn::Linear(4, 2));
         }
         torch::Tensor forward(torch::Tensor x) {
             x = torch::relu(bn(stem(x)));
-            x = torch::relu(grouped(x));
+            x = torch::relu(gn(grouped(x)));
             return head(x.mean({2, 3}));
         }
     };
@@ -590,15 +591,15 @@ TEST_CASE("register_modules registers all layers or none, and reports what it le
     opts.skip_layers = {"^same$"};
     kfac::KFAC<> precond(opts);
     const auto report = kfac::torch::register_modules(precond, tracker, model);
-    CHECK(report.registered == std::vector<std::string>{"stem", "grouped", "head"});
-    CHECK(tracker.size() == 3);
+    CHECK(report.registered == std::vector<std::string>{"stem", "bn", "grouped", "head"});
+    CHECK(tracker.size() == 4);
     CHECK(precond.is_registered("grouped/group1"));
     REQUIRE(report.not_preconditioned.size() == 2);
-    CHECK(report.not_preconditioned[0].name == "bn");
-    CHECK(report.not_preconditioned[0].module == "torch::nn::BatchNorm2d");
+    CHECK(report.not_preconditioned[0].name == "gn");
+    CHECK(report.not_preconditioned[0].module == "torch::nn::GroupNorm");
     CHECK(report.not_preconditioned[1].name == "same");
-    CHECK_THAT(report.summary(), Catch::Contains("K-FAC preconditions 3 layers;") &&
-                                     Catch::Contains("torch::nn::BatchNorm2d (no K-FAC block for this module type): bn;") &&
+    CHECK_THAT(report.summary(), Catch::Contains("K-FAC preconditions 4 layers;") &&
+                                     Catch::Contains("torch::nn::GroupNorm (no K-FAC block for this module type): gn;") &&
                                      Catch::Contains("(matched by options.skip_layers): same"));
     model->forward(torch::randn({3, 1, 6, 6})).square().sum().backward();
     CHECK_NOTHROW(precond.step());
@@ -964,4 +965,215 @@ TEST_CASE("grouped and depthwise Conv2d modules precondition like plain views, o
         for (auto& p : model->parameters()) p.sub_(0.1 * p.grad());
     }
     CHECK(through_torch.a_factor("grouped/group3").isApprox(through_views.a_factor("grouped/group3"), tol));
+}
+
+namespace {
+
+/// (y − shift) / scale: the normalised input a LayerNorm or BatchNorm multiplied, read back
+/// from its own output (scale broadcast as the module broadcasts it), independent of the
+/// adapter's recomputation from the input.
+torch::Tensor normalized_from_output(const torch::Tensor& y, const torch::Tensor& scale, const torch::Tensor& shift,
+                                     bool channels_second) {
+    const torch::NoGradGuard no_grad;
+    if (!channels_second) return (y - shift) / scale;
+    std::vector<std::int64_t> shape(static_cast<std::size_t>(y.dim()), 1);
+    shape[1] = scale.numel();
+    return (y - shift.reshape(shape)) / scale.reshape(shape);
+}
+
+/// Scales in [0.5, 1.5] and shifts of 0.1·N(0, 1): a normalisation layer away from its
+/// identity initialisation, so that y ≠ x̂.
+void perturb_affine(const torch::Tensor& scale, const torch::Tensor& shift) {
+    const torch::NoGradGuard no_grad;
+    scale.uniform_(0.5, 1.5);
+    shift.normal_(0.0, 0.1);
+}
+
+}  // namespace
+
+TEST_CASE("LayerNorm and BatchNorm modules precondition like plain views of x-hat", "[torch][norm]") {
+    // A ResNeXt-style bottleneck with a BatchNorm after each convolution (1x1, 3x3 of
+    // cardinality 4, 1x1, shortcut), its positions then read as tokens through a LayerNorm
+    // over the features and one over (tokens, features), pooled into a Linear head: every
+    // module with parameters is registered. The views are built from (y − β)/γ of each norm's
+    // own output, not from the adapter's recomputation of x̂ from its input.
+    using T = double;
+    torch::manual_seed(43);
+    struct block_impl : nn::Module {
+        nn::Conv2d reduce{nullptr}, grouped{nullptr}, expand{nullptr};
+        nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+        nn::LayerNorm ln{nullptr}, ln2{nullptr};
+        nn::Linear head{nullptr};
+        block_impl() {
+            reduce = register_module("reduce", nn::Conv2d(nn::Conv2dOptions(8, 8, 1).bias(false)));
+            bn1 = register_module("bn1", nn::BatchNorm2d(8));
+            grouped = register_module("grouped", nn::Conv2d(nn::Conv2dOptions(8, 8, 3).padding(1).groups(4).bias(false)));
+            bn2 = register_module("bn2", nn::BatchNorm2d(8));
+            expand = register_module("expand", nn::Conv2d(nn::Conv2dOptions(8, 8, 1).bias(false)));
+            bn3 = register_module("bn3", nn::BatchNorm2d(8));
+            ln = register_module("ln", nn::LayerNorm(nn::LayerNormOptions({8})));
+            ln2 = register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({16, 8})));
+            head = register_module("head", nn::Linear(8, 3));
+        }
+    };
+    auto model = std::make_shared<block_impl>();
+    model->to(torch::kDouble);
+    for (auto* bn : {&model->bn1, &model->bn2, &model->bn3}) perturb_affine((*bn)->weight, (*bn)->bias);
+    perturb_affine(model->ln->weight, model->ln->bias);
+    perturb_affine(model->ln2->weight, model->ln2->bias);
+
+    kfac::options opts;
+    opts.damping = 0.01;
+    opts.threads = 2;
+    using precond_t = kfac::KFAC<kfac::backend::cpu_eigen<T>>;
+    kfac::torch::tracker<T> tracker;
+    precond_t through_torch(opts), through_views(opts);
+    const auto report = kfac::torch::register_modules(through_torch, tracker, model);
+    const std::vector<std::string> names{"reduce", "bn1", "grouped", "bn2", "expand", "bn3", "ln", "ln2", "head"};
+    CHECK(report.registered == names);
+    CHECK(report.not_preconditioned.empty());
+    CHECK(tracker.layer("ln2").description().out == 16 * 8);
+
+    std::vector<copied_layer<T>> copies(names.size());
+    kfac::conv2d_geometry one, three;
+    three.kernel = {3, 3};
+    three.padding = {1, 1};
+    three.groups = 4;
+    copies[0].view.description = kfac::conv2d_description(8, 8, one, false);
+    copies[1].view.description = kfac::batch_norm_description(8, true);
+    copies[2].view.description = kfac::conv2d_description(8, 8, three, false);
+    copies[3].view.description = kfac::batch_norm_description(8, true);
+    copies[4].view.description = kfac::conv2d_description(8, 8, one, false);
+    copies[5].view.description = kfac::batch_norm_description(8, true);
+    copies[6].view.description = kfac::layer_norm_description(8, true);
+    copies[7].view.description = kfac::layer_norm_description(16 * 8, true);
+    copies[8].view.description = kfac::linear_description(8, 3, true);
+    for (std::size_t i = 0; i < names.size(); ++i) through_views.register_layer(names[i], copies[i].view);
+
+    // The norm layers' x̂ two ways ((x − μ)/√(σ² + ε) and (y − β)/γ) agree to ~10u; the block
+    // sums (t_γ = Σ x̂ dy may cancel) and the 2 × 2 solve (κ ≤ (‖F_c‖ + γ)/γ) amplify that;
+    // kl_clip's ν carries it to every layer.
+    const double norm_tol = 1e-9;
+    auto& m = *model;
+    for (int step = 0; step < 3; ++step) {
+        INFO("step " << step);
+        const auto x = torch::randn({4, 8, 4, 4}, torch::kDouble);
+        const auto target = torch::randint(0, 3, {4}, torch::kLong);
+        model->zero_grad();
+        auto o0 = m.reduce(x);
+        auto o1 = m.bn1(o0);
+        auto a2 = torch::relu(o1);
+        auto o2 = m.grouped(a2);
+        auto o3 = m.bn2(o2);
+        auto a4 = torch::relu(o3);
+        auto o4 = m.expand(a4);
+        auto o5 = m.bn3(o4);
+        auto tokens = torch::relu(o5 + x).flatten(2).transpose(1, 2);  // [N, 16, 8]
+        auto o6 = m.ln(tokens);
+        auto o7 = m.ln2(o6);
+        auto a8 = o7.mean(1);
+        auto o8 = m.head(a8);
+        for (auto* o : {&o0, &o1, &o2, &o3, &o4, &o5, &o6, &o7, &o8}) o->retain_grad();
+        F::cross_entropy(o8, target).backward();
+        const auto xhat1 = normalized_from_output(o1, m.bn1->weight, m.bn1->bias, true);
+        const auto xhat3 = normalized_from_output(o3, m.bn2->weight, m.bn2->bias, true);
+        const auto xhat5 = normalized_from_output(o5, m.bn3->weight, m.bn3->bias, true);
+        const auto xhat6 = normalized_from_output(o6, m.ln->weight, m.ln->bias, false);
+        const auto xhat7 = normalized_from_output(o7, m.ln2->weight, m.ln2->bias, false).reshape({4, 16 * 8});
+        const std::vector<torch::Tensor> inputs{x, xhat1, a2, xhat3, a4, xhat5, xhat6, xhat7, a8};
+        const std::vector<torch::Tensor> grads{o0.grad(), o1.grad(), o2.grad(), o3.grad(), o4.grad(), o5.grad(),
+                                               o6.grad(), o7.grad().reshape({4, 16 * 8}), o8.grad()};
+        for (std::size_t i = 0; i < names.size(); ++i) copies[i].set_statistics(inputs[i], grads[i]);
+        copies[0].set_gradients(m.reduce->weight, torch::Tensor());
+        copies[1].set_gradients(m.bn1->weight, m.bn1->bias);
+        copies[2].set_gradients(m.grouped->weight, torch::Tensor());
+        copies[3].set_gradients(m.bn2->weight, m.bn2->bias);
+        copies[4].set_gradients(m.expand->weight, torch::Tensor());
+        copies[5].set_gradients(m.bn3->weight, m.bn3->bias);
+        copies[6].set_gradients(m.ln->weight, m.ln->bias);
+        copies[7].set_gradients(m.ln2->weight, m.ln2->bias);
+        copies[7].view.grad_weight = kfac::tensor_view<T>(copies[7].grad_weight.data(), {16 * 8});  // [16, 8] as one
+        copies[8].set_gradients(m.head->weight, m.head->bias);
+        through_torch.step();
+        through_views.step();
+        CHECK(rel_err<T>(m.reduce->weight.grad(), copies[0].grad_weight) <= norm_tol);
+        CHECK(rel_err<T>(m.grouped->weight.grad(), copies[2].grad_weight) <= norm_tol);
+        CHECK(rel_err<T>(m.head->weight.grad(), copies[8].grad_weight) <= norm_tol);  // kl_clip couples the layers
+        const std::vector<std::pair<std::size_t, nn::Module*>> norms{
+            {1, m.bn1.get()}, {3, m.bn2.get()}, {5, m.bn3.get()}, {6, m.ln.get()}, {7, m.ln2.get()}};
+        for (const auto& [i, module] : norms) {
+            INFO("layer " << names[i]);
+            const auto params = module->named_parameters();
+            CHECK(rel_err<T>(params["weight"].grad(), copies[i].grad_weight) <= norm_tol);
+            CHECK(rel_err<T>(params["bias"].grad(), copies[i].grad_bias) <= norm_tol);
+        }
+        torch::NoGradGuard no_grad;
+        for (auto& p : model->parameters()) p.sub_(0.1 * p.grad());
+    }
+    CHECK(through_torch.a_factor("bn2").isApprox(through_views.a_factor("bn2"), norm_tol));
+    CHECK(through_torch.a_factor("ln2").rows() == 16 * 8);
+}
+
+TEST_CASE("a norm layer's blocks are the mean outer product of its per-example gradients", "[torch][norm]") {
+    // Item 7's definition from first principles: t_n = ∂(loss_n / N)/∂(γ, β), example n's share
+    // of the mean loss, from autograd one example at a time (the gradient the host's
+    // backward delivers is the sum of these); F_c = (1/N) Σ_n t_{n,c} t_{n,c}ᵀ. A LayerNorm
+    // over tokens with weight sharing reduce (one row per example) and a BatchNorm, each
+    // followed by per-example operations only; factor_decay 0 makes the factor F̂ itself.
+    using T = double;
+    torch::manual_seed(47);
+    const std::int64_t n = 5;
+    auto check_blocks = [&](const std::shared_ptr<nn::Module>& norm, const torch::Tensor& scale, const torch::Tensor& shift,
+                            const std::function<torch::Tensor(const torch::Tensor&)>& forward, const torch::Tensor& x) {
+        kfac::options opts;
+        opts.factor_decay = 0.0;
+        opts.reduce_layers = {"^norm$"};
+        kfac::torch::tracker<T> tracker;
+        kfac::KFAC<kfac::backend::cpu_eigen<T>> precond(opts);
+        precond.register_layer("norm", tracker.track("norm", norm));
+        const auto target = torch::randint(0, 3, {n}, torch::kLong);
+        const auto out = forward(x);
+        // The step first: the per-example backward passes below reach the tracker's hook too,
+        // each an application of the next pass.
+        F::cross_entropy(out, target).backward({}, /*retain_graph=*/true);
+        precond.step();
+        const auto c = scale.numel();
+        Eigen::MatrixXd f = Eigen::MatrixXd::Zero(c, 3);
+        for (std::int64_t e = 0; e < n; ++e) {
+            const auto loss = F::cross_entropy(out.slice(0, e, e + 1), target.slice(0, e, e + 1)) / double(n);
+            const auto g = torch::autograd::grad({loss}, {scale, shift}, {}, /*retain_graph=*/true);
+            const auto gw = to_vector<T>(g[0]), gb = to_vector<T>(g[1]);
+            for (std::int64_t ch = 0; ch < c; ++ch) {
+                const auto k = static_cast<std::size_t>(ch);
+                f(ch, 0) += gw[k] * gw[k] / double(n);
+                f(ch, 1) += gw[k] * gb[k] / double(n);
+                f(ch, 2) += gb[k] * gb[k] / double(n);
+            }
+        }
+        const auto& a = precond.a_factor("norm");
+        REQUIRE(a.rows() == c);
+        REQUIRE(a.cols() == 3);
+        // Two summation orders of the same products (autograd's, the statistic's), in double;
+        // the entries are sums of ≲ 100 terms: 1e-12 of the largest is generous.
+        CHECK((a - f).cwiseAbs().maxCoeff() <= 1e-12 * f.cwiseAbs().maxCoeff());
+    };
+    SECTION("LayerNorm over tokens, weight sharing reduce") {
+        auto ln = nn::LayerNorm(nn::LayerNormOptions({6}));
+        auto fc = nn::Linear(6, 3);
+        ln->to(torch::kDouble);
+        fc->to(torch::kDouble);
+        perturb_affine(ln->weight, ln->bias);
+        check_blocks(ln.ptr(), ln->weight, ln->bias, [&](const torch::Tensor& x) { return fc(ln(x)).mean(1); },
+                     torch::randn({n, 4, 6}, torch::kDouble));
+    }
+    SECTION("BatchNorm2d, its batch statistics, per-example gradients") {
+        auto bn = nn::BatchNorm2d(4);
+        auto fc = nn::Linear(4, 3);
+        bn->to(torch::kDouble);
+        fc->to(torch::kDouble);
+        perturb_affine(bn->weight, bn->bias);
+        check_blocks(bn.ptr(), bn->weight, bn->bias,
+                     [&](const torch::Tensor& x) { return fc(torch::tanh(bn(x)).mean({2, 3})); },
+                     torch::randn({n, 4, 3, 3}, torch::kDouble));
+    }
 }

@@ -84,6 +84,8 @@ struct owned_layer {
             view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.in});
         else if (d.kind == kfac::layer_kind::embedding)
             view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.in, d.out});
+        else if (kfac::is_normalization(d.kind))
+            view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out});
         else
             view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.per_group(d.in), d.conv.kernel[0], d.conv.kernel[1]});
         view.grad_bias = d.bias ? kfac::tensor_view<T>(grad_bias.data(), {d.out}) : kfac::tensor_view<T>{};

@@ -57,7 +57,9 @@
 /// preconditioner then keeps the previous second-order data.
 /// Optional: the members of kfac/backend/diagonal_factors.hpp (Embedding layers), with which
 /// running_average, scale_symmetric and lower_all_finite also take a diagonal factor's
-/// n × 1 column, and accumulate_a_statistic writes one.
+/// n × 1 column, and accumulate_a_statistic writes one; and those of
+/// kfac/backend/unit_wise_factors.hpp (LayerNorm, BatchNorm), with which they also take the
+/// C × k(k+1)/2 storage of unit-wise blocks.
 
 #include <algorithm>
 #include <cstdint>
@@ -123,6 +125,7 @@ struct cpu_eigen {
         std::vector<Scalar> patches;
         std::vector<Scalar> reduced;       ///< one row per example (weight sharing `reduce`)
         std::vector<std::int64_t> counts;  ///< occurrences of each token id (Embedding)
+        std::vector<Scalar> products;      ///< x̂ ⊙ dy of one example (normalisation layers)
     };
 
     /// Factors, second-order data and gradients live in host memory.
@@ -400,8 +403,10 @@ struct cpu_eigen {
     }
 
     static bool all_finite(const matrix& M) { return M.allFinite(); }
-    /// Finiteness of the lower triangle only (the part a statistic sum defines).
+    /// Finiteness of the lower triangle only (the part a statistic sum defines); all of a
+    /// matrix that is not square.
     static bool lower_all_finite(const matrix& M) {
+        if (M.rows() != M.cols()) return M.allFinite();
         for (index j = 0; j < M.cols(); ++j)
             if (!M.col(j).tail(M.rows() - j).allFinite()) return false;
         return true;
@@ -440,9 +445,10 @@ struct cpu_eigen {
 
     /// Copies the strict lower triangle into the upper one (Eigen's transposed copy measured
     /// faster here than a hand-tiled loop, bench/README.md).
-    /// A one-column matrix (a diagonal factor's storage, or a 1 × 1 one) has nothing to mirror.
+    /// A matrix that is not square (a diagonal factor's column, unit-wise blocks) holds no
+    /// triangle, and a 1 × 1 one nothing to mirror.
     static void mirror_lower(matrix& M) {
-        if (M.cols() == 1) return;
+        if (M.cols() == 1 || M.rows() != M.cols()) return;
         M.template triangularView<Eigen::StrictlyUpper>() = M.transpose();
     }
 
@@ -461,6 +467,99 @@ struct cpu_eigen {
     static void store_gradient_transposed(const matrix& pt, Scalar scale, tensor_view<Scalar> w) {
         const index rows = w.extent(0), cols = w.extent(1);
         writable_row_major_map(w.data, rows, cols) = scale * pt;
+    }
+
+    // Unit-wise blocks of normalisation layers (kfac/backend/unit_wise_factors.hpp): C rows,
+    // columns F_γγ, F_γβ, F_ββ (F_γγ alone without shift).
+
+    /// sum = beta·sum + (1/R) Σ_rows (t_γ², t_γ t_β, t_β²) per channel, t_γ = Σ x̂ ⊙ dy and
+    /// t_β = Σ dy over the row's positions (norm_layout). One example at a time: its C × P
+    /// block of x̂ ⊙ dy goes through ws.products.
+    static void accumulate_unit_wise_statistic(matrix& sum, const layer_description& d, tensor_view<const Scalar> x,
+                                               tensor_view<const Scalar> dy, Scalar beta, workspace& ws) {
+        using channel_sums = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
+        using block = Eigen::Array<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+        using channels_last = Eigen::Map<const block>;  // C × P, column p the position's channels
+        using channels_first = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+        const auto layout = kfac::detail::norm_layout_of(d, x);
+        const index c = layout.channels, p = layout.positions;
+        const bool shift = d.bias;
+        channel_sums gg = channel_sums::Zero(c), gb = channel_sums::Zero(c), bb = channel_sums::Zero(c);
+        ws.products.resize(static_cast<std::size_t>(c * p));
+        Eigen::Map<block> u(ws.products.data(), c, p);
+        auto fold = [&](const auto& xn, const auto& dyn) {
+            u = xn * dyn;  // x̂ ⊙ dy, channels × positions
+            if (layout.sum_positions) {
+                const channel_sums t_gamma = u.rowwise().sum(), t_beta = dyn.rowwise().sum();
+                gg += t_gamma.square();
+                if (shift) {
+                    gb += t_gamma * t_beta;
+                    bb += t_beta.square();
+                }
+            } else {
+                gg += u.square().rowwise().sum();
+                if (shift) {
+                    gb += (u * dyn).rowwise().sum();
+                    bb += dyn.square().rowwise().sum();
+                }
+            }
+        };
+        for (index n = 0; n < layout.examples; ++n) {
+            const Scalar* xn = x.data + n * c * p;
+            const Scalar* dyn = dy.data + n * c * p;
+            if (layout.channels_last) fold(channels_last(xn, c, p), channels_last(dyn, c, p));
+            else fold(channels_first(xn, c, p), channels_first(dyn, c, p));
+        }
+        const Scalar alpha = Scalar(1) / static_cast<Scalar>(layout.rows());
+        auto add = [&](index column, const channel_sums& s) {  // β = 0 reads nothing of sum
+            if (beta == Scalar(0)) sum.col(column) = (alpha * s).matrix();
+            else sum.col(column) = beta * sum.col(column) + (alpha * s).matrix();
+        };
+        add(0, gg);
+        if (shift) {
+            add(1, gb);
+            add(2, bb);
+        }
+    }
+
+    /// Every block the k × k identity: columns (1, 0, 1) for k = 2, (1) for k = 1.
+    static matrix unit_wise_identity(index channels, index k) {
+        matrix m = matrix::Zero(channels, k * (k + 1) / 2);
+        m.col(0).setOnes();
+        if (k == 2) m.col(2).setOnes();
+        return m;
+    }
+
+    /// (F_c + γI)⁻¹ in closed form: [[F_ββ + γ, −F_γβ], [−F_γβ, F_γγ + γ]] / det, with
+    /// det = (F_γγF_ββ − F_γβ²) + γ(F_γγ + F_ββ) + γ². The first term is det F ≥ 0 for the PSD
+    /// F_c (a mean of t tᵀ), which rounding may leave slightly negative: clamped at 0, so det
+    /// stays ≥ γ(tr F + γ) > 0 and the relative error of each entry is a few roundings.
+    static bool unit_wise_damped_inverse(const matrix& blocks, Scalar damping, matrix& out) {
+        out.resize(blocks.rows(), blocks.cols());
+        if (blocks.cols() == 1) {
+            out.col(0) = (blocks.col(0).array() + damping).inverse().matrix();
+            return all_finite(out);
+        }
+        const auto f_gg = blocks.col(0).array(), f_gb = blocks.col(1).array(), f_bb = blocks.col(2).array();
+        const auto det = (f_gg * f_bb - f_gb.square()).max(Scalar(0)) + damping * (f_gg + f_bb) + damping * damping;
+        out.col(0) = ((f_bb + damping) / det).matrix();
+        out.col(1) = (-f_gb / det).matrix();
+        out.col(2) = ((f_gg + damping) / det).matrix();
+        return all_finite(out);
+    }
+
+    /// P_t(:, c) = B_c Γᵀ(:, c): row 0 the scale, row 1 the shift.
+    static void unit_wise_multiply(const matrix& blocks, const matrix& gamma_t, matrix& p_t) {
+        p_t.resize(gamma_t.rows(), gamma_t.cols());
+        const auto b_gg = blocks.col(0).transpose().array();
+        if (blocks.cols() == 1) {
+            p_t.row(0) = (b_gg * gamma_t.row(0).array()).matrix();
+            return;
+        }
+        const auto b_gb = blocks.col(1).transpose().array(), b_bb = blocks.col(2).transpose().array();
+        const auto g_scale = gamma_t.row(0).array(), g_shift = gamma_t.row(1).array();
+        p_t.row(0) = (b_gg * g_scale + b_gb * g_shift).matrix();
+        p_t.row(1) = (b_gb * g_scale + b_bb * g_shift).matrix();
     }
 
     static double frobenius_dot(const matrix& X, const matrix& Y) {

@@ -203,8 +203,12 @@ struct cuda {
 
     /// Why this backend cannot precondition a layer (empty when it can); the preconditioner
     /// asks at registration. Conv1d runs as the Conv2d it equals; weight sharing `reduce`
-    /// has no device kernels yet.
+    /// and normalisation layers have no device kernels yet.
     static std::string unsupported_layer(const layer_description& d) {
+        if (is_normalization(d.kind))  // before `reduce`, a BatchNorm's default
+            return std::string("a ") + kind_name(d.kind) + "'s unit-wise blocks are computed by the CPU backend only "
+                   "(kfac::backend::cuda has no kernels for them yet); use kfac::backend::cpu_eigen, or exclude "
+                   "the layer with options.skip_layers";
         if (d.sharing == weight_sharing::reduce)
             return "weight sharing 'reduce' is computed by the CPU backend only (kfac::backend::cuda has no "
                    "kernel for it yet); use weight_sharing::expand on the GPU or kfac::backend::cpu_eigen";

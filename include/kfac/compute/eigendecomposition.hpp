@@ -37,6 +37,7 @@
 #include <utility>
 
 #include "kfac/backend/diagonal_factors.hpp"
+#include "kfac/backend/unit_wise_factors.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/options.hpp"
@@ -46,7 +47,11 @@ namespace compute {
 
 /// Eigendecomposition method: F = Q diag(λ) Qᵀ with λ clamped at 0; damping is added to the
 /// product λ_G λ_A (not to each factor). A diagonal factor is its own decomposition: Q = I
-/// (never formed), λ its diagonal.
+/// (never formed), λ its diagonal. A normalisation layer's unit-wise blocks are their own
+/// decomposition too, and its G the identity (λ_G = 1): each channel's gradient is multiplied
+/// by (F_c + γI)⁻¹, formed in closed form with the step's damping (or, with the eigenvalue
+/// outer product precomputed, the inverse update's), which is what Q_c diag(1/(λ_c + γ)) Q_cᵀ
+/// equals.
 struct eigendecomposition {
     static constexpr const char* name = "eigendecomposition";
 };
@@ -64,11 +69,15 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     struct factor_data {
         matrix q;  ///< empty for a diagonal factor, whose eigenvectors are the identity
         vector lambda;
+        matrix blocks;  ///< unit-wise blocks (C × k(k+1)/2), their own decomposition
         bool diagonal = false;
+        bool unit_wise = false;
     };
     struct layer_data {
         factor_data a, g;
-        matrix inverse_eigen_product;  ///< Dᵀ = 1/(λ_A λ_Gᵀ + γ) (A_dim × G_dim), when precomputed
+        /// Dᵀ = 1/(λ_A λ_Gᵀ + γ) (A_dim × G_dim), when precomputed; for unit-wise blocks their
+        /// damped inverses (F_c + γI)⁻¹, in the blocks' layout.
+        matrix inverse_eigen_product;
         bool has_product = false;
     };
     struct workspace {
@@ -78,6 +87,19 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     static bool compute_factor(const matrix& F, factor_structure structure, double /*damping*/, factor_data& out) {
         factor_data next;
         next.diagonal = structure == factor_structure::diagonal;
+        next.unit_wise = structure == factor_structure::unit_wise;
+        if (next.unit_wise) {
+            if (!Backend::all_finite(F)) return false;
+            next.blocks = F;
+            out = std::move(next);
+            return true;
+        }
+        if (structure == factor_structure::identity) {  // not estimated: Q = I, λ = 1
+            next.q = Backend::identity(F.rows());
+            next.lambda = Backend::ones(F.rows());
+            out = std::move(next);
+            return true;
+        }
         if (next.diagonal) {
             if constexpr (backend_with_diagonal_factors<Backend>) Backend::diagonal_values(F, next.lambda);
             else return false;  // not reached: registration refuses the layer on such a backend
@@ -95,11 +117,16 @@ struct compute_impl<compute::eigendecomposition, Backend> {
             l.inverse_eigen_product.resize(0, 0);
             return;
         }
+        if (l.a.unit_wise) {  // a non-finite inverse zeroes the layer's gradient at precondition
+            if constexpr (backend_with_unit_wise_factors<Backend>)
+                Backend::unit_wise_damped_inverse(l.a.blocks, static_cast<scalar>(damping), l.inverse_eigen_product);
+            return;
+        }
         Backend::inverse_eigen_product(l.a.lambda, l.g.lambda, static_cast<scalar>(damping), l.inverse_eigen_product);
     }
 
-    /// A side: Q_A (none when A is diagonal), then λ_A unless D is precomputed. G side: Q_G,
-    /// then D or λ_G.
+    /// A side: Q_A (none when A is diagonal or unit-wise), then λ_A or the unit-wise blocks
+    /// unless D is precomputed. G side: Q_G, then D or λ_G.
     template <class F>
     static void for_each_payload(layer_data& l, char side, F&& f) {
         auto send = [&](auto& m) {
@@ -108,6 +135,7 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         if (side == 'A') {
             send(l.a.q);
             if (!l.has_product) send(l.a.lambda);
+            if (!l.has_product) send(l.a.blocks);
         } else {
             send(l.g.q);
             if (l.has_product) send(l.inverse_eigen_product);
@@ -116,20 +144,28 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     }
 
     static void prepare_receive(layer_data& l, const layer_description& d, const options& o) {
-        const auto a_dim = d.a_dim(), g_dim = d.g_dim();
+        const auto a_dim = d.a_dim(), g_dim = d.g_factor_dim();
         l.has_product = o.compute_eigenvalue_outer_product;
         l.a.diagonal = d.a_structure() == factor_structure::diagonal;
-        l.a.q.resize(l.a.diagonal ? 0 : a_dim, l.a.diagonal ? 0 : a_dim);
+        l.a.unit_wise = d.a_structure() == factor_structure::unit_wise;
+        const bool dense = !l.a.diagonal && !l.a.unit_wise;
+        l.a.q.resize(dense ? a_dim : 0, dense ? a_dim : 0);
         l.g.q.resize(g_dim, g_dim);
-        l.a.lambda.resize(l.has_product ? 0 : a_dim);
+        l.a.lambda.resize(l.has_product || l.a.unit_wise ? 0 : a_dim);
+        l.a.blocks.resize(l.a.unit_wise && !l.has_product ? d.a_storage_rows() : 0,
+                          l.a.unit_wise && !l.has_product ? d.a_storage_cols() : 0);
         l.g.lambda.resize(l.has_product ? 0 : g_dim);
-        l.inverse_eigen_product.resize(l.has_product ? a_dim : 0, l.has_product ? g_dim : 0);
+        // D is A_dim × G_dim, or for unit-wise blocks shaped as they are.
+        const auto d_rows = l.a.unit_wise ? d.a_storage_rows() : a_dim;
+        const auto d_cols = l.a.unit_wise ? d.a_storage_cols() : d.g_dim();
+        l.inverse_eigen_product.resize(l.has_product ? d_rows : 0, l.has_product ? d_cols : 0);
     }
 
     template <class LayerData, class F>
     static void for_each_tensor(LayerData& l, F&& f) {
         f("A.eigenvectors", l.a.q, 2);
         f("A.eigenvalues", l.a.lambda, 1);
+        f("A.blocks", l.a.blocks, 2);
         f("G.eigenvectors", l.g.q, 2);
         f("G.eigenvalues", l.g.lambda, 1);
         f("eigenvalue_product_inverse", l.inverse_eigen_product, 2);
@@ -138,16 +174,20 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     /// The rank that computes both factors holds the eigenvalues too, with or without D.
     static void prepare_full(layer_data& l, const layer_description& d, const options& o) {
         prepare_receive(l, d, o);
-        l.a.lambda.resize(d.a_dim());
-        l.g.lambda.resize(d.g_dim());
+        if (l.a.unit_wise) l.a.blocks.resize(d.a_storage_rows(), d.a_storage_cols());
+        else l.a.lambda.resize(d.a_dim());
+        l.g.lambda.resize(d.g_factor_dim());
     }
 
     static void identity_data(layer_data& l, const layer_description& d, double damping, const options& o) {
         l.a.diagonal = d.a_structure() == factor_structure::diagonal;
-        l.a.q = l.a.diagonal ? matrix{} : Backend::identity(d.a_dim());
-        l.g.q = Backend::identity(d.g_dim());
-        l.a.lambda = Backend::ones(d.a_dim());
-        l.g.lambda = Backend::ones(d.g_dim());
+        l.a.unit_wise = d.a_structure() == factor_structure::unit_wise;
+        l.a.q = l.a.diagonal || l.a.unit_wise ? matrix{} : Backend::identity(d.a_dim());
+        l.a.lambda = l.a.unit_wise ? vector{} : Backend::ones(d.a_dim());
+        if constexpr (backend_with_unit_wise_factors<Backend>)
+            if (l.a.unit_wise) l.a.blocks = Backend::unit_wise_identity(d.g_dim(), d.a_dim());
+        l.g.q = Backend::identity(d.g_factor_dim());
+        l.g.lambda = Backend::ones(d.g_factor_dim());
         finalize_layer(l, damping, o);
     }
 
@@ -156,6 +196,17 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     /// diagonal: its two products are skipped).
     static void precondition(const layer_data& l, const matrix& gamma_t, double damping,
                              const options&, workspace& w, matrix& p_t) {
+        if (l.a.unit_wise) {
+            if constexpr (backend_with_unit_wise_factors<Backend>) {
+                const matrix* inverse = &l.inverse_eigen_product;
+                if (!l.has_product) {  // a non-finite inverse makes P non-finite: the layer is zeroed
+                    Backend::unit_wise_damped_inverse(l.a.blocks, static_cast<scalar>(damping), w.t1);
+                    inverse = &w.t1;
+                }
+                Backend::unit_wise_multiply(*inverse, gamma_t, p_t);
+            }
+            return;
+        }
         const matrix* v = &w.t2;
         if (l.a.diagonal) {
             Backend::multiply(gamma_t, false, l.g.q, false, w.t2);  // Γᵀ Q_G

@@ -59,9 +59,9 @@ struct checkpoint_io {
             const auto& place = p.plan_.layers[i];
             const auto& d = l.host.description;
             const int factor_source = place.factor_holders.front();
-            gather(p, l.state.a_factor, d.a_dim(), d.a_storage_cols(), factor_source, writer, a, l.host.name + ".A",
-                   a_factor_rank(d));
-            gather(p, l.state.g_factor, d.g_dim(), d.g_dim(), factor_source, writer, a, l.host.name + ".G", 2);
+            gather(p, l.state.a_factor, d.a_storage_rows(), d.a_storage_cols(), factor_source, writer, a,
+                   l.host.name + ".A", a_factor_rank(d));
+            gather(p, l.state.g_factor, d.g_factor_dim(), d.g_factor_dim(), factor_source, writer, a, l.host.name + ".G", 2);
             if (!second) continue;
             // Every rank walks the same list of tensors: the source its own data, the others
             // empty stand-ins of the same sizes.
@@ -96,7 +96,8 @@ struct checkpoint_io {
         return a;
     }
 
-    /// A diagonal A factor is saved as the vector of its diagonal.
+    /// A diagonal A factor is saved as the vector of its diagonal; unit-wise blocks as their
+    /// C × k(k+1)/2 matrix, a normalisation layer's G as the 1 × 1 identity.
     static int a_factor_rank(const layer_description& d) {
         return d.a_structure() == factor_structure::diagonal ? 1 : 2;
     }
@@ -215,13 +216,14 @@ struct checkpoint_io {
         for (const auto& l : p.layers_) {
             const auto& d = l.host.description;
             const auto& name = l.host.name;
-            const auto* ta = take(name, name + ".A", checkpoint::stored_shape(d.a_dim(), d.a_storage_cols(), a_factor_rank(d)));
-            const auto* tg = take(name, name + ".G", {d.g_dim(), d.g_dim()});
+            const auto a_rows = d.a_storage_rows(), a_cols = d.a_storage_cols(), g_dim = d.g_factor_dim();
+            const auto* ta = take(name, name + ".A", checkpoint::stored_shape(a_rows, a_cols, a_factor_rank(d)));
+            const auto* tg = take(name, name + ".G", {g_dim, g_dim});
             auto& fa = s.a_factor.emplace_back();
             auto& fg = s.g_factor.emplace_back();
             if (l.role.holds_factors) {
-                fa = to_storage(*ta, d.a_dim(), d.a_storage_cols());
-                fg = to_storage(*tg, d.g_dim(), d.g_dim());
+                fa = to_storage(*ta, a_rows, a_cols);
+                fg = to_storage(*tg, g_dim, g_dim);
             }
             auto& second = s.second.emplace_back();
             if (!file_has_second) continue;

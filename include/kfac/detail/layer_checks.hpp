@@ -37,12 +37,24 @@ inline std::string geometry_text(const layer_description& d, const std::array<st
     return std::to_string(p[0]) + "x" + std::to_string(p[1]);
 }
 
+/// "layer_norm 16, shift" for a normalisation layer (its C channels, with or without shift).
+inline std::string norm_text(const layer_description& d) {
+    return std::string(kind_name(d.kind)) + " " + std::to_string(d.out) + (d.bias ? ", shift" : ", no shift");
+}
+
+/// ", weight sharing reduce" when the layer's sharing is not its kind's default.
+inline std::string sharing_text(const layer_description& d) {
+    if (d.sharing == default_sharing(d.kind)) return {};
+    return std::string(", weight sharing ") + sharing_name(d.sharing);
+}
+
 inline std::string describe_layer(const std::string& name, const layer_description& d) {
+    if (is_normalization(d.kind)) return "layer '" + name + "' (" + norm_text(d) + sharing_text(d) + ")";
     std::string s = "layer '" + name + "' (" + kind_name(d.kind) + " " + std::to_string(d.in) +
                     "->" + std::to_string(d.out);
     if (is_convolution(d.kind)) s += ", kernel " + geometry_text(d, d.conv.kernel);
     if (is_convolution(d.kind) && d.conv.groups != 1) s += ", groups " + std::to_string(d.conv.groups);
-    if (d.sharing != weight_sharing::expand) s += std::string(", weight sharing ") + sharing_name(d.sharing);
+    s += sharing_text(d);
     return s + (d.bias ? ", bias)" : ", no bias)");
 }
 
@@ -51,6 +63,7 @@ inline std::string describe_layer(const std::string& name, const layer_descripti
 /// groups 1, bias)"; weight sharing is named when it is not the default (expand), so
 /// signatures of checkpoints written before it existed still match.
 inline std::string layer_signature(const std::string& name, const layer_description& d) {
+    if (is_normalization(d.kind)) return "'" + name + "' (" + norm_text(d) + sharing_text(d) + ")";
     std::string s = "'" + name + "' (" + kind_name(d.kind) + " " + std::to_string(d.in) + "->" + std::to_string(d.out);
     if (is_convolution(d.kind)) {
         const auto& c = d.conv;
@@ -58,7 +71,7 @@ inline std::string layer_signature(const std::string& name, const layer_descript
              geometry_text(d, c.padding) + ", dilation " + geometry_text(d, c.dilation) + ", groups " +
              std::to_string(c.groups);
     }
-    if (d.sharing != weight_sharing::expand) s += std::string(", weight sharing ") + sharing_name(d.sharing);
+    s += sharing_text(d);
     return s + (d.bias ? ", bias)" : ", no bias)");
 }
 
@@ -74,9 +87,13 @@ inline void check_description(const std::string& name, const layer_description& 
         throw error(who + ": description.sharing holds " + std::to_string(static_cast<int>(d.sharing)) +
                     ", which is not a kfac::weight_sharing; use weight_sharing::expand or ::reduce");
     if (d.kind != layer_kind::linear && d.kind != layer_kind::conv2d && d.kind != layer_kind::conv1d &&
-        d.kind != layer_kind::embedding)
+        d.kind != layer_kind::embedding && !is_normalization(d.kind))
         throw error(who + ": description.kind holds " + std::to_string(static_cast<int>(d.kind)) +
                     ", which is not a kfac::layer_kind");
+    if (is_normalization(d.kind) && d.in != d.out)
+        throw error(who + ": a " + kind_name(d.kind) + " has one scale (and shift) per channel, so in and out are "
+                    "both its channel count, but they are " + std::to_string(d.in) + " and " + std::to_string(d.out) +
+                    "; describe it with kfac::" + kind_name(d.kind) + "_description()");
     if (d.kind == layer_kind::embedding) {
         if (d.bias)
             throw error(who + ": an Embedding has no bias; describe it with kfac::embedding_description()");
@@ -199,6 +216,33 @@ void check_embedding_views(const std::string& who, const layer_description& d, c
     }
 }
 
+/// A normalisation layer's views: the normalised input x̂ and the output gradient, of one
+/// shape, LayerNorm's [rows..., C] (C last) or BatchNorm's [N, C, spatial...] (C second).
+template <class T>
+void check_norm_views(const std::string& who, const layer_description& d, const tensor_view<const T>& a,
+                      const tensor_view<const T>& g) {
+    const bool features_last = d.kind == layer_kind::layer_norm;
+    const int channel_axis = features_last ? a.rank - 1 : 1;
+    const bool shaped = a.rank >= (features_last ? 1 : 2) && a.extent(channel_axis) == d.out && a.size() > 0;
+    if (!shaped) {
+        // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on "[" + std::to_string(...).
+        std::string expected(features_last ? "[rows..., " : "[N, ");
+        expected += std::to_string(d.out);
+        expected += features_last ? "] (features last)" : ", spatial...] (channels second)";
+        throw error(who + ": the normalised input has shape " + a.shape_string() + "; expected " + expected +
+                    ", not empty. Pass x̂, the input the " + kind_name(d.kind) + " normalised, flattened to " +
+                    std::to_string(d.out) + " features where the layer normalises several dimensions");
+    }
+    bool same = g.rank == a.rank;
+    for (int i = 0; same && i < a.rank; ++i) same = g.extent(i) == a.extent(i);
+    if (!same)
+        throw error(who + ": the output gradient has shape " + g.shape_string() + " but the normalised input " +
+                    a.shape_string() + "; the scale and shift act element-wise, so pass the gradient of the "
+                    "layer's output, of the input's shape");
+    if (d.sharing == weight_sharing::expand)
+        check_blas_count(who, "the normalised input " + a.shape_string() + " holds rows:", a.size() / d.out);
+}
+
 /// Views read for the factor statistics (activations and output gradients).
 template <class T>
 void check_statistics_views(const std::string& name, const layer_description& d,
@@ -220,6 +264,10 @@ void check_statistics_views(const std::string& name, const layer_description& d,
                     "output_gradients() at this layer's output gradient before step()");
     if (d.kind == layer_kind::embedding) {
         check_embedding_views(who, d, a, g);
+        return;
+    }
+    if (is_normalization(d.kind)) {
+        check_norm_views(who, d, a, g);
         return;
     }
     if (d.kind == layer_kind::linear) {
@@ -266,6 +314,22 @@ void check_statistics_views(const std::string& name, const layer_description& d,
     check_blas_count(who, "output gradients " + g.shape_string() + " hold positions per sample:", ho * wo);
 }
 
+/// A normalisation layer's scale (weight) and shift (bias) gradients: [C] each.
+template <class T>
+void check_norm_gradients(const std::string& who, const layer_description& d, const tensor_view<T>& w,
+                          const tensor_view<T>& b) {
+    const std::string expected = shape_text({d.out});
+    auto text = [](const tensor_view<T>& v) { return v.empty() ? std::string("(empty)") : v.shape_string(); };
+    if (w.empty() || w.rank != 1 || w.extent(0) != d.out)
+        throw error(who + ": the scale (weight) gradient has shape " + text(w) + "; expected " + expected +
+                    " (flatten a LayerNorm's normalized_shape into one dimension)");
+    if (d.bias && (b.empty() || b.rank != 1 || b.extent(0) != d.out))
+        throw error(who + ": the shift (bias) gradient has shape " + text(b) + "; expected " + expected);
+    if (!d.bias && !b.empty())
+        throw error(who + ": the layer is described without shift but a shift gradient of shape " + b.shape_string() +
+                    " was given; set description.bias = true or return an empty view");
+}
+
 /// Views of the gradients that step() reads and overwrites.
 template <class T>
 void check_gradient_views(const std::string& name, const layer_description& d,
@@ -276,6 +340,10 @@ void check_gradient_views(const std::string& name, const layer_description& d,
     check_extents(who, "bias gradient", b);
     check_memory_space(who, "weight gradient", w, device_backend, probe);
     check_memory_space(who, "bias gradient", b, device_backend, probe);
+    if (is_normalization(d.kind)) {
+        check_norm_gradients(who, d, w, b);
+        return;
+    }
     const bool one_d = d.kind == layer_kind::conv1d, embedding = d.kind == layer_kind::embedding;
     const bool linear = d.kind == layer_kind::linear || embedding;
     // A grouped convolution's weight is [C_out, C_in/groups, kernel...].

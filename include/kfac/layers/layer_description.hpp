@@ -15,7 +15,12 @@ namespace kfac {
 /// builds it), and its views [N, C, L] are read as [N, C, 1, L].
 /// Embedding is the Linear layer of a one-hot input: `in` = num_embeddings V, `out` =
 /// embedding_dim E, its activations the token ids, its weight [V, E] (embedding_description()).
-enum class layer_kind { linear, conv2d, conv1d, embedding };
+/// LayerNorm and BatchNorm are their affine part y = scale ⊙ x̂ + shift over C features
+/// (`in` = `out` = C, `bias` = the shift): the activations are the normalised input x̂,
+/// LayerNorm's [rows..., C] (features last), BatchNorm's [N, C, spatial...] (channels second);
+/// their weight (scale) and bias (shift) gradients are [C] (layer_norm_description(),
+/// batch_norm_description()).
+enum class layer_kind { linear, conv2d, conv1d, embedding, layer_norm, batch_norm };
 
 [[nodiscard]] inline const char* kind_name(layer_kind k) noexcept {
     switch (k) {
@@ -23,18 +28,22 @@ enum class layer_kind { linear, conv2d, conv1d, embedding };
         case layer_kind::conv2d: return "conv2d";
         case layer_kind::conv1d: return "conv1d";
         case layer_kind::embedding: return "embedding";
+        case layer_kind::layer_norm: return "layer_norm";
+        case layer_kind::batch_norm: return "batch_norm";
     }
     return "unknown";
 }
 
-/// The name PyTorch gives the module of a kind ("Linear", "Conv2d", "Conv1d"), which
-/// options.skip_layers patterns may match as well.
+/// The name PyTorch gives the module of a kind ("Linear", "Conv2d", "Conv1d", ...), which
+/// options.skip_layers patterns may match as well; one name, "BatchNorm", for BatchNorm1d/2d/3d.
 [[nodiscard]] inline const char* pytorch_module_name(layer_kind k) noexcept {
     switch (k) {
         case layer_kind::linear: return "Linear";
         case layer_kind::conv2d: return "Conv2d";
         case layer_kind::conv1d: return "Conv1d";
         case layer_kind::embedding: return "Embedding";
+        case layer_kind::layer_norm: return "LayerNorm";
+        case layer_kind::batch_norm: return "BatchNorm";
     }
     return "unknown";
 }
@@ -43,11 +52,24 @@ enum class layer_kind { linear, conv2d, conv1d, embedding };
     return k == layer_kind::conv2d || k == layer_kind::conv1d;
 }
 
+/// The scale-and-shift of a normalisation layer (LayerNorm, BatchNorm).
+[[nodiscard]] constexpr bool is_normalization(layer_kind k) noexcept {
+    return k == layer_kind::layer_norm || k == layer_kind::batch_norm;
+}
+
 /// How a Kronecker factor is stored. Dense: the n × n symmetric matrix. Diagonal: its diagonal
 /// as an n × 1 column, for a factor that is diagonal by construction (an Embedding's A: one-hot
 /// inputs have no cross terms), so that neither its statistics, its decomposition nor its
 /// preconditioning ever forms the n × n matrix.
-enum class factor_structure { dense, diagonal };
+///
+/// Unit-wise and identity are the two halves of a normalisation layer's curvature, which is
+/// not a Kronecker product: one exact k × k block per channel c (k = 2 for scale and shift, 1
+/// for scale alone), F_c = mean over rows r of t_{r,c} t_{r,c}ᵀ, t_{r,c} = (Σ x̂ ⊙ dy, Σ dy)
+/// summed over the row's positions of channel c (kfac-jax's ScaleAndShift blocks; the
+/// "unit-wise" Fisher of Osawa et al., ASDL). A stores the C blocks, C × k(k+1)/2 (columns
+/// F_γγ, F_γβ, F_ββ); G is the 1 × 1 identity, never estimated, so that the eigen method's
+/// 1/(λ_A·λ_G + γ) and the inverse method both give (F_c + γI)⁻¹ per channel.
+enum class factor_structure { dense, diagonal, unit_wise, identity };
 
 /// How the factors treat a weight applied at several positions of one example (the tokens of
 /// a sequence, the output locations of a convolution); Eschenhagen et al., "Kronecker-Factored
@@ -67,6 +89,12 @@ enum class weight_sharing {
     /// [N, positions..., in] (dimension 0 is the example); a rank-2 input has one position.
     reduce,
 };
+
+/// The weight sharing a kind is described with unless told otherwise: reduce for BatchNorm
+/// (the per-example gradient of its definition), expand for every other kind.
+[[nodiscard]] constexpr weight_sharing default_sharing(layer_kind k) noexcept {
+    return k == layer_kind::batch_norm ? weight_sharing::reduce : weight_sharing::expand;
+}
 
 [[nodiscard]] inline const char* sharing_name(weight_sharing s) noexcept {
     return s == weight_sharing::expand ? "expand" : "reduce";
@@ -108,8 +136,10 @@ struct layer_description {
 
     /// Kronecker blocks of the layer: a convolution's groups, 1 for every other kind.
     [[nodiscard]] std::int64_t groups() const noexcept { return is_convolution(kind) ? conv.groups : 1; }
-    /// Columns of the weight gradient reshaped to [out, ·]: in, or (C_in/groups)·k_h·k_w.
+    /// Columns of the weight gradient reshaped to [out, ·]: in, (C_in/groups)·k_h·k_w, or 1
+    /// for a normalisation layer (its scale is one weight per channel).
     [[nodiscard]] std::int64_t weight_columns() const noexcept {
+        if (is_normalization(kind)) return 1;
         return is_convolution(kind) ? per_group(in) * conv.kernel[0] * conv.kernel[1] : in;
     }
     /// Dimension of the A factor (of one group's block; bias adds one, the last, row and column).
@@ -125,13 +155,31 @@ struct layer_description {
         b.conv.groups = 1;
         return b;
     }
-    /// How the A factor is stored (G is always dense).
+    /// How the A factor is stored.
     [[nodiscard]] factor_structure a_structure() const noexcept {
-        return kind == layer_kind::embedding ? factor_structure::diagonal : factor_structure::dense;
+        if (kind == layer_kind::embedding) return factor_structure::diagonal;
+        return is_normalization(kind) ? factor_structure::unit_wise : factor_structure::dense;
     }
-    /// Columns of the A factor's storage: a_dim(), or 1 for a diagonal factor.
+    /// How the G factor is stored: dense, or a normalisation layer's 1 × 1 identity.
+    [[nodiscard]] factor_structure g_structure() const noexcept {
+        return is_normalization(kind) ? factor_structure::identity : factor_structure::dense;
+    }
+    /// Rows of the A factor's storage: a_dim(), or one per channel for unit-wise blocks.
+    [[nodiscard]] std::int64_t a_storage_rows() const noexcept {
+        return a_structure() == factor_structure::unit_wise ? g_dim() : a_dim();
+    }
+    /// Columns of the A factor's storage: a_dim(), 1 for a diagonal factor, the k(k+1)/2
+    /// entries of a k × k block for unit-wise blocks.
     [[nodiscard]] std::int64_t a_storage_cols() const noexcept {
-        return a_structure() == factor_structure::diagonal ? 1 : a_dim();
+        switch (a_structure()) {
+            case factor_structure::diagonal: return 1;
+            case factor_structure::unit_wise: return a_dim() * (a_dim() + 1) / 2;
+            default: return a_dim();
+        }
+    }
+    /// Dimension of the G factor's storage: g_dim(), or 1 for the identity.
+    [[nodiscard]] std::int64_t g_factor_dim() const noexcept {
+        return g_structure() == factor_structure::identity ? 1 : g_dim();
     }
     /// `channels` split over the groups (a description with groups < 1, which registration
     /// refuses, is read as one group so that its arithmetic stays defined).
@@ -174,6 +222,19 @@ struct layer_description {
 [[nodiscard]] inline layer_description embedding_description(std::int64_t num_embeddings,
                                                              std::int64_t embedding_dim) {
     return {layer_kind::embedding, num_embeddings, embedding_dim, false, {}, weight_sharing::expand};
+}
+
+/// The scale-and-shift of a LayerNorm over `features` (C, the product of normalized_shape) or
+/// of a BatchNorm over `channels`, with a shift when `shift`. Rows of the curvature blocks:
+/// a LayerNorm's every row of [rows..., C] (weight sharing expand, as a Linear layer on
+/// tokens; `reduce` sums each example's positions, dimension 0 being the example); a
+/// BatchNorm's examples, each summing its spatial positions (weight sharing reduce: the
+/// per-example gradient of kfac-jax's definition; `expand` makes every position a row).
+[[nodiscard]] inline layer_description layer_norm_description(std::int64_t features, bool shift) {
+    return {layer_kind::layer_norm, features, features, shift, {}, weight_sharing::expand};
+}
+[[nodiscard]] inline layer_description batch_norm_description(std::int64_t channels, bool shift) {
+    return {layer_kind::batch_norm, channels, channels, shift, {}, default_sharing(layer_kind::batch_norm)};
 }
 
 /// The same layer with another weight-sharing treatment.

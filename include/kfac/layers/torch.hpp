@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file torch.hpp
-/// LibTorch adapter: K-FAC for the `torch::nn::Linear`, `torch::nn::Conv2d`,
-/// `torch::nn::Conv1d` and `torch::nn::Embedding` members of an
-/// existing model, with no change to the model or its hand-written `forward`. Optional: only
+/// LibTorch adapter: K-FAC for the `torch::nn::Linear`, `Conv2d`, `Conv1d`, `Embedding`,
+/// `LayerNorm` and `BatchNorm1d/2d/3d` members of an existing model, with no change to the
+/// model or its hand-written `forward`. Optional: only
 /// this header needs LibTorch (CMake: `find_package(Torch)`, link `${TORCH_LIBRARIES}`); it is
 /// not included by `kfac/kfac.hpp`.
 ///
@@ -39,7 +39,14 @@
 ///   `torch::linear` dispatches) is recognised too;
 /// * Embedding: `aten::embedding(weight, indices, ...)`, the call `EmbeddingImpl::forward`
 ///   makes; the indices are kept converted to the tracker's scalar type (token ids are exact
-///   in it up to the preconditioner's limit, which it checks at registration).
+///   in it up to the preconditioner's limit, which it checks at registration);
+/// * LayerNorm, BatchNorm: `aten::layer_norm(input, normalized_shape, weight, bias, eps, ...)`
+///   and `aten::batch_norm(input, weight, bias, running_mean, running_var, training, momentum,
+///   eps, ...)`. K-FAC sees their affine part y = weight ⊙ x̂ + bias, so the activations are x̂,
+///   recomputed from the captured input as the operator normalised it (over the normalised
+///   dimensions, or over every dimension but the channels with the batch statistics in
+///   training, the running ones otherwise; biased variance, the call's eps), on factor-update
+///   steps only. A LayerNorm over several dimensions is seen as one over their product.
 ///
 /// The observer keeps that operator's input and registers a hook (`Tensor::register_hook`) on
 /// its output; when the backward pass reaches the hook, the pair (input, dloss/doutput) is one
@@ -112,9 +119,11 @@
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
 #include "kfac/config.hpp"
 #include "kfac/detail/layer_checks.hpp"
@@ -132,16 +141,56 @@ namespace detail {
 
 /// One application of a module: its input and the gradient of the loss w.r.t. its output,
 /// both contiguous; `problem` is set when the application cannot be used (said at step()).
+/// How a normalisation operator normalised its input: x̂ = (x − mean) / √(var + eps), the
+/// statistics over `dims` (biased variance) or, when `mean` is defined, BatchNorm's running
+/// statistics of the channels (dimension 1). `shape` is the views' shape: a LayerNorm's
+/// normalised dimensions flattened into one.
+struct norm_call {
+    std::vector<std::int64_t> dims;
+    double eps = 1e-5;
+    at::Tensor mean, var;
+    std::vector<std::int64_t> shape;
+};
+
+/// x̂ of `x`, in x's dtype, shaped `n.shape` and contiguous.
+inline at::Tensor normalized_input(const at::Tensor& x, const norm_call& n) {
+    const c10::NoGradGuard no_grad;  // nor does the tracker's observer look at these operators
+    at::Tensor mean, var;
+    if (n.mean.defined()) {
+        std::vector<std::int64_t> channels(static_cast<std::size_t>(x.dim()), 1);
+        channels[1] = x.size(1);
+        mean = n.mean.reshape(channels);
+        var = n.var.reshape(channels);
+    } else {
+        mean = x.mean(n.dims, /*keepdim=*/true);
+        var = (x - mean).square().mean(n.dims, /*keepdim=*/true);
+    }
+    return ((x - mean) * (var + n.eps).rsqrt()).reshape(n.shape).contiguous();
+}
+
 struct pass {
     at::Tensor input;
     at::Tensor grad_output;
     std::string problem;
+    std::optional<norm_call> norm;  ///< set for a normalisation layer, whose activations are x̂
+
+    /// What the layer's statistics read as its input: the captured input, or for a
+    /// normalisation layer x̂, computed at the first call (on factor-update steps only).
+    [[nodiscard]] const at::Tensor& activations() const {
+        if (!norm) return input;
+        std::call_once(normalized_once, [&] { normalized = normalized_input(input, *norm); });
+        return normalized;
+    }
+
+private:
+    mutable std::once_flag normalized_once;
+    mutable at::Tensor normalized;
 };
 
 /// What the tracker knows of one module.
 struct layer_state {
     std::string name;
-    const char* type = "";  // "Linear", "Conv2d", "Conv1d" or "Embedding", for messages
+    const char* type = "";  // "Linear", "Conv2d", "LayerNorm", "BatchNorm2d", ..., for messages
     layer_description description{};
     std::shared_ptr<::torch::nn::Module> module;  // keeps *weight and *bias alive
     at::Tensor* weight = nullptr;                 // the module's members
@@ -220,7 +269,7 @@ c10::ArrayRef<const c10::IValue> recorded_inputs(const at::RecordFunction& fn);
 template struct record_function_inputs<&at::RecordFunction::inputs_>;
 #endif
 
-enum class op_kind { none, transpose, addmm, matmul, mm, linear, conv2d, conv1d, embedding };
+enum class op_kind { none, transpose, addmm, matmul, mm, linear, conv2d, conv1d, embedding, layer_norm, batch_norm };
 
 /// The operators the observer looks at, by schema name.
 inline op_kind classify(const char* name) noexcept {
@@ -232,7 +281,10 @@ inline op_kind classify(const char* name) noexcept {
         case 'm':
             if (std::strcmp(op, "matmul") == 0) return op_kind::matmul;
             return std::strcmp(op, "mm") == 0 ? op_kind::mm : op_kind::none;
-        case 'l': return std::strcmp(op, "linear") == 0 ? op_kind::linear : op_kind::none;
+        case 'l':
+            if (std::strcmp(op, "linear") == 0) return op_kind::linear;
+            return std::strcmp(op, "layer_norm") == 0 ? op_kind::layer_norm : op_kind::none;
+        case 'b': return std::strcmp(op, "batch_norm") == 0 ? op_kind::batch_norm : op_kind::none;
         case 'e': return std::strcmp(op, "embedding") == 0 ? op_kind::embedding : op_kind::none;
         case 'c':
             if (std::strcmp(op, "conv2d") == 0) return op_kind::conv2d;
@@ -247,6 +299,7 @@ struct observed_call : at::ObserverContext {
     bool transpose = false;  // an aten::t of the weight, not the layer's product
     at::Tensor input;
     std::string problem;
+    std::optional<norm_call> norm;
 };
 
 inline const at::TensorImpl* tensor_arg(c10::ArrayRef<const c10::IValue> args, std::size_t i) {
@@ -265,6 +318,8 @@ inline operand_positions positions(op_kind k) noexcept {
         case op_kind::matmul:                               // matmul(input, weight.t())
         case op_kind::mm: return {0, 1, true};              // mm(input, weight.t())
         case op_kind::embedding: return {1, 0, false};      // embedding(weight, indices, ...)
+        case op_kind::layer_norm: return {0, 2, false};     // layer_norm(input, shape, weight, ...)
+        case op_kind::batch_norm: return {0, 1, false};     // batch_norm(input, weight, ...)
         default: return {0, 1, false};                      // linear/conv2d/conv1d(input, weight, ...)
     }
 }
@@ -280,7 +335,10 @@ inline std::shared_ptr<layer_state> match(const thread_observer& obs, op_kind ki
             if (!l->weight->defined() || !l->weight->requires_grad() || !l->module->is_training()) continue;
             const bool linear = l->description.kind == layer_kind::linear;
             const bool embedding = l->description.kind == layer_kind::embedding;
-            if (kind == op_kind::transpose || kind == op_kind::linear) {
+            if (kind == op_kind::layer_norm || kind == op_kind::batch_norm) {
+                const layer_kind norm = kind == op_kind::layer_norm ? layer_kind::layer_norm : layer_kind::batch_norm;
+                if (l->description.kind == norm && key == l->weight->unsafeGetTensorImpl()) return l;
+            } else if (kind == op_kind::transpose || kind == op_kind::linear) {
                 if (linear && key == l->weight->unsafeGetTensorImpl()) return l;
             } else if (transposed) {
                 if (linear && l->transposed.defined() && key == l->transposed.unsafeGetTensorImpl()) return l;
@@ -356,6 +414,40 @@ inline std::string conv_call_mismatch(const layer_state& l, c10::ArrayRef<const 
            "options.skip_layers";
 }
 
+/// How an aten::layer_norm or aten::batch_norm call normalises its input (its arguments are
+/// listed at positions()); a problem when they are not what the schema says.
+inline norm_call read_norm_call(op_kind kind, c10::ArrayRef<const c10::IValue> args, const layer_state& l,
+                                std::string& problem) {
+    norm_call n;
+    const at::Tensor& x = args[0].toTensor();
+    const auto rank = static_cast<std::int64_t>(x.dim());
+    const bool layer_norm = kind == op_kind::layer_norm;
+    const std::size_t eps_at = layer_norm ? 4 : 7;
+    const bool readable = args.size() > eps_at && args[eps_at].isDouble() &&
+                          (layer_norm ? args[1].isIntList() : args[5].isBool());
+    if (!readable) {
+        problem = "torch adapter: " + l.who() + ": the arguments of aten::" + (layer_norm ? "layer_norm" : "batch_norm") +
+                  " are not those of its schema (this LibTorch's operator differs); leave the layer out with "
+                  "options.skip_layers";
+        return n;
+    }
+    n.eps = args[eps_at].toDouble();
+    n.shape.assign(x.sizes().begin(), x.sizes().end());
+    if (layer_norm) {
+        const auto normalized = static_cast<std::int64_t>(args[1].toIntVector().size());
+        for (std::int64_t i = rank - normalized; i < rank; ++i) n.dims.push_back(i);
+        n.shape.resize(static_cast<std::size_t>(rank - normalized));
+        n.shape.push_back(l.description.out);
+    } else if (args[5].toBool() || !args[3].isTensor() || !args[4].isTensor()) {  // batch statistics
+        for (std::int64_t i = 0; i < rank; ++i)
+            if (i != 1) n.dims.push_back(i);
+    } else {
+        n.mean = args[3].toTensor().detach().clone();  // the buffers change with later training calls
+        n.var = args[4].toTensor().detach().clone();
+    }
+    return n;
+}
+
 inline std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFunction& fn) {
     thread_observer& obs = observer;
     if (obs.depth > 0 || obs.trackers.empty()) return nullptr;
@@ -383,6 +475,8 @@ inline std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFu
             else
                 call->problem = conv_call_mismatch(*layer, args);
         }
+        if (kind == op_kind::layer_norm || kind == op_kind::batch_norm)
+            call->norm = read_norm_call(kind, args, *layer, call->problem);
         ++obs.depth;  // operators nested in this one are not looked at
     }
     call->layer = std::move(layer);
@@ -401,7 +495,8 @@ inline void on_operator_end(const at::RecordFunction& fn, at::ObserverContext* c
     --observer.depth;
     if (out == nullptr || !out->defined() || !out->requires_grad()) return;
     std::weak_ptr<layer_state> layer = call->layer;
-    out->register_hook([layer, input = std::move(call->input), problem = std::move(call->problem)](const at::Tensor& grad) {
+    out->register_hook([layer, input = std::move(call->input), problem = std::move(call->problem),
+                        norm = std::move(call->norm)](const at::Tensor& grad) {
         const auto l = layer.lock();
         if (!l || !grad.defined()) return;
         auto p = std::make_shared<pass>();
@@ -409,7 +504,9 @@ inline void on_operator_end(const at::RecordFunction& fn, at::ObserverContext* c
         const bool ids = l->description.kind == layer_kind::embedding;
         p->input = ids ? input.detach().to(l->scalar).contiguous() : input.detach().contiguous();
         p->grad_output = grad.detach().contiguous();
+        if (norm && problem.empty()) p->grad_output = p->grad_output.reshape(norm->shape);  // as x̂'s view
         p->problem = problem;
+        p->norm = norm;
         l->add(std::move(p));
     });
 }
@@ -531,10 +628,39 @@ inline std::string embedding_left_out(const ::torch::nn::EmbeddingImpl& e) {
     return {};
 }
 
-/// The weight of a tracked convolution module (nullptr for other modules).
-inline const at::Tensor* conv_weight(const ::torch::nn::Module* m) {
-    if (const auto* c = dynamic_cast<const ::torch::nn::Conv2dImpl*>(m)) return &c->weight;
-    if (const auto* c = dynamic_cast<const ::torch::nn::Conv1dImpl*>(m)) return &c->weight;
+/// The weight (scale) and bias (shift) of a normalisation module, its channels and its type.
+struct norm_module {
+    at::Tensor* weight = nullptr;
+    at::Tensor* bias = nullptr;
+    std::int64_t channels = 0;
+    const char* type = "";
+    layer_kind kind = layer_kind::layer_norm;
+};
+
+/// A LayerNorm or BatchNorm1d/2d/3d module's parts (nullopt for other modules).
+inline std::optional<norm_module> as_norm_module(::torch::nn::Module* m) {
+    if (auto* n = dynamic_cast<::torch::nn::LayerNormImpl*>(m)) {
+        std::int64_t features = 1;
+        for (auto e : n->options.normalized_shape()) features *= e;
+        return norm_module{&n->weight, &n->bias, features, "LayerNorm", layer_kind::layer_norm};
+    }
+    if (auto* b = dynamic_cast<::torch::nn::BatchNorm1dImpl*>(m))
+        return norm_module{&b->weight, &b->bias, b->options.num_features(), "BatchNorm1d", layer_kind::batch_norm};
+    if (auto* b = dynamic_cast<::torch::nn::BatchNorm2dImpl*>(m))
+        return norm_module{&b->weight, &b->bias, b->options.num_features(), "BatchNorm2d", layer_kind::batch_norm};
+    if (auto* b = dynamic_cast<::torch::nn::BatchNorm3dImpl*>(m))
+        return norm_module{&b->weight, &b->bias, b->options.num_features(), "BatchNorm3d", layer_kind::batch_norm};
+    return std::nullopt;
+}
+
+/// The weight of a module the tracker can take (nullptr for other modules); undefined for a
+/// normalisation module without affine parameters.
+inline const at::Tensor* tracked_weight(::torch::nn::Module* m) {
+    if (auto* c = dynamic_cast<::torch::nn::Conv2dImpl*>(m)) return &c->weight;
+    if (auto* c = dynamic_cast<::torch::nn::Conv1dImpl*>(m)) return &c->weight;
+    if (auto* l = dynamic_cast<::torch::nn::LinearImpl*>(m)) return &l->weight;
+    if (auto* e = dynamic_cast<::torch::nn::EmbeddingImpl*>(m)) return &e->weight;
+    if (const auto n = as_norm_module(m)) return n->weight;
     return nullptr;
 }
 
@@ -552,17 +678,19 @@ inline bool skipped(const options& opts, const std::string& name, layer_kind kin
 }
 
 /// The kind of a module the tracker can take (nullopt for any other module).
-inline std::optional<layer_kind> trackable_kind(const ::torch::nn::Module* m) {
+inline std::optional<layer_kind> trackable_kind(::torch::nn::Module* m) {
     if (dynamic_cast<const ::torch::nn::LinearImpl*>(m) != nullptr) return layer_kind::linear;
     if (dynamic_cast<const ::torch::nn::Conv2dImpl*>(m) != nullptr) return layer_kind::conv2d;
     if (dynamic_cast<const ::torch::nn::Conv1dImpl*>(m) != nullptr) return layer_kind::conv1d;
     if (dynamic_cast<const ::torch::nn::EmbeddingImpl*>(m) != nullptr) return layer_kind::embedding;
+    if (const auto n = as_norm_module(m)) return n->kind;
     return std::nullopt;
 }
 
 }  // namespace detail
 
-/// A tracked `torch::nn::Linear`, `Conv2d`, `Conv1d` or `Embedding`: what the preconditioner registers
+/// A tracked `torch::nn::Linear`, `Conv2d`, `Conv1d`, `Embedding`, `LayerNorm` or `BatchNorm1d/2d/3d`:
+/// what the preconditioner registers
 /// (through kfac::layer_traits). Owned by its tracker; only its tracker creates it.
 ///
 /// @tparam Scalar float or double: the module's dtype and the backend's scalar type.
@@ -573,7 +701,7 @@ public:
 
     [[nodiscard]] const std::string& name() const noexcept { return state_->name; }
     [[nodiscard]] const layer_description& description() const noexcept { return state_->description; }
-    /// The module (a torch::nn::LinearImpl, Conv2dImpl, Conv1dImpl or EmbeddingImpl).
+    /// The module (a torch::nn::LinearImpl, Conv2dImpl, Conv1dImpl, EmbeddingImpl, LayerNormImpl, BatchNorm2dImpl, ...).
     [[nodiscard]] const std::shared_ptr<::torch::nn::Module>& module() const noexcept { return state_->module; }
     /// Applications (forward calls whose gradient arrived) captured so far, in all passes.
     [[nodiscard]] std::int64_t passes() const {
@@ -593,13 +721,15 @@ public:
         return p ? p->grad_output : at::Tensor();
     }
 
-    /// The input of application `i` of the current pass (an Embedding's indices as Scalar).
+    /// The input of application `i` of the current pass (an Embedding's indices as Scalar, a
+    /// normalisation layer's x̂).
     /// @throws kfac::error when the application cannot be used (a functional call with other
     ///         options) or its tensors are not CPU/CUDA tensors of Scalar.
     [[nodiscard]] tensor_view<const Scalar> activations_view(std::int64_t i) const {
         const auto p = usable(i);
         detail::check_tensor<Scalar>(*state_, "the captured input", p->input);
-        return detail::view_of<const Scalar>(*state_, "the captured input", p->input);
+        const at::Tensor& x = p->activations();
+        return detail::view_of<const Scalar>(*state_, "the captured input", x);
     }
     [[nodiscard]] tensor_view<const Scalar> output_gradients_view(std::int64_t i) const {
         const auto p = usable(i);
@@ -614,17 +744,24 @@ public:
     /// The weight's own .grad() buffer. @throws kfac::error if undefined, not contiguous, not
     /// on the CPU or a CUDA device, or not of Scalar.
     [[nodiscard]] tensor_view<Scalar> weight_gradient_view() const {
-        return detail::gradient_view<Scalar>(*state_, *state_->weight, "weight");
+        return flat_for_norm(detail::gradient_view<Scalar>(*state_, *state_->weight, "weight"));
     }
     /// The bias's own .grad() buffer, or an empty view without bias.
     [[nodiscard]] tensor_view<Scalar> bias_gradient_view() const {
         if (!state_->description.bias) return {};
-        return detail::gradient_view<Scalar>(*state_, *state_->bias, "bias");
+        return flat_for_norm(detail::gradient_view<Scalar>(*state_, *state_->bias, "bias"));
     }
     /// Forgets the current pass's applications (the preconditioner calls it when done).
     void end_pass() { state_->forget_applications(); }
 
 private:
+    /// A normalisation layer's parameter gradient as one dimension (a LayerNorm's
+    /// normalized_shape flattened, as its description counts the features).
+    tensor_view<Scalar> flat_for_norm(tensor_view<Scalar> v) const {
+        if (!is_normalization(state_->description.kind) || v.empty()) return v;
+        return tensor_view<Scalar>::from_extents(v.data, std::array<std::int64_t, 1>{v.size()}, v.space);
+    }
+
     std::shared_ptr<const detail::pass> usable(std::int64_t i) const {
         auto p = state_->application(i);
         if (!p->problem.empty()) throw error(p->problem);
@@ -696,7 +833,18 @@ public:
     tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Embedding& module) {
         return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
     }
-    /// Tracks a module that is a torch::nn::LinearImpl, Conv2dImpl, Conv1dImpl or EmbeddingImpl.
+    /// Tracks a LayerNorm module under `name` (with its elementwise affine parameters).
+    /// @throws kfac::error as above, or for a LayerNorm without them.
+    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::LayerNorm& module) {
+        return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
+    }
+    /// Tracks a BatchNorm2d module under `name` (BatchNorm1d and 3d through the overload below).
+    /// @throws kfac::error as above, or for a BatchNorm without affine parameters.
+    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::BatchNorm2d& module) {
+        return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
+    }
+    /// Tracks a module that is a torch::nn::LinearImpl, Conv2dImpl, Conv1dImpl, EmbeddingImpl,
+    /// LayerNormImpl or BatchNorm1d/2d/3dImpl.
     /// @throws kfac::error for any other module, and as above.
     tracked_layer<Scalar>& track(const std::string& name, const std::shared_ptr<::torch::nn::Module>& module) {
         auto s = prepare(name, module, {});
@@ -746,10 +894,20 @@ public:
             if (const std::string why = detail::embedding_left_out(*embedding); !why.empty())
                 throw error("torch adapter: " + s->who() + ": " + why + "; leave the layer out "
                             "(kfac::torch::register_modules does) or construct it without that option");
+        } else if (const auto norm = detail::as_norm_module(module.get())) {
+            s->type = norm->type;
+            s->weight = norm->weight;
+            s->bias = norm->bias->defined() ? norm->bias : &s->no_bias;
+            s->description = norm->kind == layer_kind::layer_norm ? layer_norm_description(norm->channels, s->bias->defined())
+                                                                  : batch_norm_description(norm->channels, s->bias->defined());
+            if (!s->weight->defined())
+                throw error("torch adapter: " + s->who() + " has no affine parameters (elementwise_affine or affine "
+                            "is false), so there is nothing to precondition; leave it out (kfac::torch::register_modules "
+                            "does)");
         } else {
             throw error("torch adapter: module '" + name + "' (" +
                         (module ? module->name() : std::string("null")) +
-                        ") is none of torch::nn::Linear, Conv2d, Conv1d, Embedding");
+                        ") is none of torch::nn::Linear, Conv2d, Conv1d, Embedding, LayerNorm, BatchNorm1d/2d/3d");
         }
         const std::vector<std::shared_ptr<detail::layer_state>>& tracked = core_->layers;
         for (const auto* list : {&tracked, &pending})
@@ -803,15 +961,15 @@ struct registration {
     /// A module left to the host's optimizer (or frozen), and why.
     struct left_out {
         std::string name;    ///< as named_modules() names it
-        std::string module;  ///< its type, "torch::nn::BatchNorm2d"
+        std::string module;  ///< its type, "torch::nn::GroupNorm"
         std::string reason;
     };
     std::vector<std::string> registered;  ///< in registration order
     std::vector<left_out> not_preconditioned;
 
     [[nodiscard]] std::size_t size() const noexcept { return registered.size(); }
-    /// "K-FAC preconditions 10 layers; not preconditioned (...): torch::nn::BatchNorm2d (no K-FAC
-    /// block for this module type): bn1, layer1.bn1; ...": the modules grouped by type and reason.
+    /// "K-FAC preconditions 10 layers; not preconditioned (...): torch::nn::GroupNorm (no K-FAC
+    /// block for this module type): gn1, layer1.gn1; ...": the modules grouped by type and reason.
     [[nodiscard]] std::string summary() const {
         std::string s = "K-FAC preconditions " + std::to_string(registered.size()) +
                         (registered.size() == 1 ? " layer" : " layers");
@@ -873,10 +1031,9 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
             left_out("matched by options.skip_layers");
             continue;
         }
-        const at::Tensor* conv = conv_weight(m.get());
-        const auto* linear = dynamic_cast<const ::torch::nn::LinearImpl*>(m.get());
+        const at::Tensor& weight = *tracked_weight(m.get());
         const auto* embedding = dynamic_cast<const ::torch::nn::EmbeddingImpl*>(m.get());
-        const at::Tensor& weight = conv ? *conv : linear ? linear->weight : embedding->weight;
+        if (!weight.defined() && is_normalization(*kind)) continue;  // no affine parameters: nothing to precondition
         if (weight.defined() && !weight.requires_grad()) {
             left_out("frozen: the weight has requires_grad = false");
             continue;
@@ -903,7 +1060,7 @@ struct tracked_modules {
     std::vector<tracked_layer<Scalar>*> layers;
 };
 
-/// Tracks every torch::nn::Linear, Conv2d, Conv1d and Embedding of `model` that K-FAC can
+/// Tracks every module of `model` that register_modules() would register
 /// precondition (as register_modules() chooses them, with `opts.skip_layers`), without
 /// registering them: for a preconditioner that this translation unit cannot instantiate,
 /// through kfac::any_layer (see any_layer.hpp). All or nothing.
@@ -915,15 +1072,17 @@ tracked_modules<Scalar> track_modules(tracker<Scalar>& tracker, const Model& mod
     return {std::move(report), tracker.adopt(std::move(states))};
 }
 
-/// Tracks and registers every torch::nn::Linear, Conv2d, Conv1d and Embedding of `model` (a
+/// Tracks and registers every torch::nn::Linear, Conv2d, Conv1d, Embedding, LayerNorm and
+/// BatchNorm1d/2d/3d of `model` (a
 /// std::shared_ptr to a module or a module holder) that K-FAC can precondition, named as
 /// `model->named_modules()` names them ("conv1", "layer1.0.conv1", ...; a `prefix` "p" makes them
 /// "p.conv1", ...). All or nothing: every module is checked before any is tracked or registered,
 /// so after an error the tracker and the preconditioner are as they were. Left out, and
 /// listed in the report with the reason: layers options.skip_layers matches, frozen layers
 /// (weight with requires_grad false), sparse or scale_grad_by_freq Embeddings, and every other
-/// module with parameters of its own (BatchNorm, LayerNorm, ...), whose parameters stay the
-/// host optimizer's alone.
+/// module with parameters of its own (GroupNorm, MultiheadAttention, ...), whose parameters
+/// stay the host optimizer's alone. Normalisation modules without affine parameters have
+/// nothing to precondition and are not listed.
 /// @throws kfac::error as tracker::track and preconditioner::register_layer do.
 template <class Preconditioner, class Scalar, class Model>
 registration register_modules(Preconditioner& preconditioner, tracker<Scalar>& tracker, const Model& model,
