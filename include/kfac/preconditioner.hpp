@@ -826,12 +826,12 @@ private:
                     l.state.g_sum = Backend::zeros(d.g_factor_dim(), d.g_factor_dim());
                 } else {
                     const auto w = rows / static_cast<scalar_type>(applications);
-                    Backend::scale_symmetric(l.state.a_sum, w);
+                    scale_a_statistic(l, w);
                     Backend::scale_symmetric(l.state.g_sum, w);
                 }
-                for (matrix* sum : {&l.state.a_sum, &l.state.g_sum}) {  // a diagonal or unit-wise A is no triangle
+                for (matrix* sum : {&l.state.a_sum, &l.state.g_sum}) {  // a diagonal A or unit-wise blocks are no triangle
                     const auto n = static_cast<std::size_t>(sum->size());
-                    const bool triangle = sum->cols() == sum->rows();
+                    const bool triangle = sum->cols() == sum->rows() && !(sum == &l.state.a_sum && unit_wise(l));
                     items.push_back({staging_.stage(sum->data(), n, true, true), n, triangle, sum->rows()});
                 }
                 weights.push_back(rows);
@@ -847,14 +847,34 @@ private:
             const double count = averaged ? static_cast<double>(weights[i]) : static_cast<double>(total_applications(l));
             if (count == 0.0) continue;  // applied on no rank in this step: no data, no decay
             const auto weight = static_cast<scalar_type>((1.0 - decay) / count);
-            if (Backend::lower_all_finite(l.state.a_sum) && Backend::lower_all_finite(l.state.g_sum)) {
-                Backend::running_average(l.state.a_factor, l.state.a_sum, xi, weight);
+            if (a_statistic_finite(l) && Backend::lower_all_finite(l.state.g_sum)) {
+                average_a_factor(l, xi, weight);
                 if (l.host.description.g_structure() == factor_structure::dense)  // the identity stays
                     Backend::running_average(l.state.g_factor, l.state.g_sum, xi, weight);
             } else {
                 outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
             }
         }
+    }
+
+    // A dense factor's statistic is the lower triangle of a symmetric matrix (mirrored before
+    // use). Unit-wise blocks are no triangle, whatever their shape (C × 3 is square for C = 3):
+    // every entry is checked, scaled and averaged as it is.
+    static bool unit_wise(const layer_record& l) {
+        return l.host.description.a_structure() == factor_structure::unit_wise;
+    }
+    static bool a_statistic_finite(const layer_record& l) {
+        return unit_wise(l) ? Backend::all_finite(l.state.a_sum) : Backend::lower_all_finite(l.state.a_sum);
+    }
+    static void scale_a_statistic(layer_record& l, scalar_type s) {
+        if constexpr (detail::backend_with_unit_wise_factors<Backend>)
+            if (unit_wise(l)) return Backend::scale_blocks(l.state.a_sum, s);
+        Backend::scale_symmetric(l.state.a_sum, s);
+    }
+    static void average_a_factor(layer_record& l, scalar_type decay, scalar_type weight) {
+        if constexpr (detail::backend_with_unit_wise_factors<Backend>)
+            if (unit_wise(l)) return Backend::average_blocks(l.state.a_factor, l.state.a_sum, decay, weight);
+        Backend::running_average(l.state.a_factor, l.state.a_sum, decay, weight);
     }
 
     void update_second_order(const detail::step_plan& plan, step_outcome& outcome) {

@@ -711,11 +711,12 @@ TEST_CASE("grouped convolutions: ranks with different batches equal one process 
 
 TEMPLATE_TEST_CASE("normalisation layers: ranks with different batches equal one process with all of them",
                    "[mpi][norm]", kfac::compute::eigendecomposition, kfac::compute::inverse) {
-    // A LayerNorm over tokens (rows: every token, expand) and a BatchNorm without shift (rows:
-    // the examples, reduce). Rank r holds N_r = 1 + r examples: the unit-wise blocks travel in
-    // the factor allreduce weighted by the rows, and as blocks, inverses or D when shared, so
-    // every KAISA strategy equals one process over all examples. Under DP-KFAC the owner's
-    // batch alone makes the factors, broadcast to the others.
+    // A LayerNorm without shift over tokens (rows: every token, expand) and a BatchNorm of 3
+    // channels (rows: the examples, reduce; its blocks a square 3 × 3 storage, sent whole even
+    // by the symmetry-aware allreduce). Rank r holds N_r = 1 + r examples: the unit-wise blocks
+    // travel in the factor allreduce weighted by the rows, and as blocks, inverses or D when
+    // shared, so every KAISA strategy equals one process over all examples. Under DP-KFAC the
+    // owner's batch alone makes the factors, broadcast to the others.
     const int world = world_size(), me = world_rank();
     const std::int64_t tokens = 3, features = 5, channels = 3, spatial = 4;
     auto examples_of = [](int rank) { return std::int64_t{1} + rank; };
@@ -757,11 +758,12 @@ TEMPLATE_TEST_CASE("normalisation layers: ranks with different batches equal one
         o.strategy = s.strategy;
         o.grad_worker_fraction = s.fraction;
         o.damping = 0.01;
+        o.symmetry_aware = true;
         mpi_kfac<TestType> p(o, kfac::comm::mpi());
         kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, TestType> whole(o);
         owned_layer<double> ln, bn, ln_all, bn_all;
-        for (auto* l : {&ln, &ln_all}) l->view.description = kfac::layer_norm_description(features, true);
-        for (auto* l : {&bn, &bn_all}) l->view.description = kfac::batch_norm_description(channels, false);
+        for (auto* l : {&ln, &ln_all}) l->view.description = kfac::layer_norm_description(features, false);
+        for (auto* l : {&bn, &bn_all}) l->view.description = kfac::batch_norm_description(channels, true);
         p.register_layer("ln", ln.view);
         p.register_layer("bn", bn.view);
         whole.register_layer("ln", ln_all.view);
@@ -778,8 +780,8 @@ TEMPLATE_TEST_CASE("normalisation layers: ranks with different batches equal one
             // Sums in another order (per rank, then across): ~1e-15 relative in the blocks,
             // amplified by the damped 2 × 2 solve by at most (‖F_c‖ + γ)/γ ≈ 10²: 1e-10 bounds it.
             CHECK(buffer_rel_err(ln.grad_weight, ln_all.grad_weight) < 1e-10);
-            CHECK(buffer_rel_err(ln.grad_bias, ln_all.grad_bias) < 1e-10);
             CHECK(buffer_rel_err(bn.grad_weight, bn_all.grad_weight) < 1e-10);
+            CHECK(buffer_rel_err(bn.grad_bias, bn_all.grad_bias) < 1e-10);
         }
     }
 }

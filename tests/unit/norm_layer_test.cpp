@@ -106,6 +106,9 @@ std::vector<norm_case> norm_cases() {
         {"BatchNorm2d", kfac::batch_norm_description(5, true), {3, 5, 2, 3}},
         {"BatchNorm1d, expand", kfac::with_sharing(kfac::batch_norm_description(5, true), weight_sharing::expand), {2, 5, 4}},
         {"BatchNorm2d without shift", kfac::batch_norm_description(3, false), {4, 3, 3, 3}},
+        // 3 channels with shift: the blocks' storage is a square 3 × 3, which must not be read
+        // as a symmetric matrix's triangle (it was mirrored, channel 1's F_γγ over channel 0's F_γβ).
+        {"BatchNorm2d of 3 channels", kfac::batch_norm_description(3, true), {4, 3, 2, 2}},
     };
 }
 

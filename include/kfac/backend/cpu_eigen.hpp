@@ -58,8 +58,7 @@
 /// Optional: the members of kfac/backend/diagonal_factors.hpp (Embedding layers), with which
 /// running_average, scale_symmetric and lower_all_finite also take a diagonal factor's
 /// n × 1 column, and accumulate_a_statistic writes one; and those of
-/// kfac/backend/unit_wise_factors.hpp (LayerNorm, BatchNorm), with which they also take the
-/// C × k(k+1)/2 storage of unit-wise blocks.
+/// kfac/backend/unit_wise_factors.hpp (LayerNorm, BatchNorm).
 
 #include <algorithm>
 #include <cstdint>
@@ -403,10 +402,8 @@ struct cpu_eigen {
     }
 
     static bool all_finite(const matrix& M) { return M.allFinite(); }
-    /// Finiteness of the lower triangle only (the part a statistic sum defines); all of a
-    /// matrix that is not square.
+    /// Finiteness of the lower triangle only (the part a statistic sum defines).
     static bool lower_all_finite(const matrix& M) {
-        if (M.rows() != M.cols()) return M.allFinite();
         for (index j = 0; j < M.cols(); ++j)
             if (!M.col(j).tail(M.rows() - j).allFinite()) return false;
         return true;
@@ -445,10 +442,9 @@ struct cpu_eigen {
 
     /// Copies the strict lower triangle into the upper one (Eigen's transposed copy measured
     /// faster here than a hand-tiled loop, bench/README.md).
-    /// A matrix that is not square (a diagonal factor's column, unit-wise blocks) holds no
-    /// triangle, and a 1 × 1 one nothing to mirror.
+    /// A one-column matrix (a diagonal factor's storage, or a 1 × 1 one) has nothing to mirror.
     static void mirror_lower(matrix& M) {
-        if (M.cols() == 1 || M.rows() != M.cols()) return;
+        if (M.cols() == 1) return;
         M.template triangularView<Eigen::StrictlyUpper>() = M.transpose();
     }
 
@@ -547,6 +543,9 @@ struct cpu_eigen {
         out.col(2) = ((f_gg + damping) / det).matrix();
         return all_finite(out);
     }
+
+    static void scale_blocks(matrix& blocks, Scalar s) { blocks *= s; }
+    static void average_blocks(matrix& F, const matrix& sum, Scalar decay, Scalar weight) { F = decay * F + weight * sum; }
 
     /// P_t(:, c) = B_c Γᵀ(:, c): row 0 the scale, row 1 the shift.
     static void unit_wise_multiply(const matrix& blocks, const matrix& gamma_t, matrix& p_t) {

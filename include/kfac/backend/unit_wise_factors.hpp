@@ -19,9 +19,11 @@
 ///   static bool unit_wise_damped_inverse(const matrix& blocks, scalar_type damping, matrix& out);
 ///   // P_t(:, c) = B_c Γᵀ(:, c) for the k × C gradient Γᵀ (rows: scale, then shift).
 ///   static void unit_wise_multiply(const matrix& blocks, const matrix& gamma_t, matrix& p_t);
+///   // The blocks are no triangle of a symmetric matrix, whatever their shape (C × 3 is
+///   // square for C = 3): scaled and averaged entry by entry, never mirrored.
+///   static void scale_blocks(matrix& blocks, scalar_type s);                       // B ← s·B
+///   static void average_blocks(matrix& F, const matrix& sum, scalar_type decay, scalar_type weight);
 /// ```
-/// With them, running_average, scale_symmetric and lower_all_finite also take the C × k(k+1)/2
-/// storage (a matrix that is not square holds no triangle: every entry is meaningful).
 
 #include <concepts>
 #include <cstdint>
@@ -40,6 +42,8 @@ concept backend_with_unit_wise_factors =
         { B::unit_wise_identity(n, n) } -> std::same_as<typename B::matrix>;
         { B::unit_wise_damped_inverse(c, s, m) } -> std::same_as<bool>;
         B::unit_wise_multiply(c, c, m);
+        B::scale_blocks(m, s);
+        B::average_blocks(m, c, s, s);
     };
 
 }  // namespace kfac::detail
