@@ -13,7 +13,9 @@
 /// kfac_step/<workload>/<method>/non_update: preconditioning only (both intervals 10⁶, step 0
 ///   done before timing).
 /// kfac_phase/<workload>/<phase>: the backend calls of one phase over all layers, to see where
-///   a step's time goes: a_stats, g_stats (batch statistics), running_average (symmetrise the
+///   a step's time goes: a_stats, g_stats (batch statistics; a_stats_im2col: the conv A
+///   statistics by im2col + SYRK, the route stride-1 convolutions no longer take, for the
+///   ratio), running_average (symmetrise the
 ///   statistic and fold it into the factor), eigh, inverse (second-order data of every factor),
 ///   gradient_io (load_gradient + store_gradient: the copies between the host's row-major
 ///   gradients and the backend's column-major matrices, done on every step).
@@ -323,7 +325,7 @@ const factor_set& factors_of(const workload_spec& w) {
     return cache.emplace(w.name, std::move(f)).first->second;
 }
 
-enum class phase { a_stats, g_stats, running_average, eigh, inverse, gradient_io };
+enum class phase { a_stats, a_stats_im2col, g_stats, running_average, eigh, inverse, gradient_io };
 
 void bm_phase(benchmark::State& state, const workload_spec* w, phase p) {
     const auto& data = data_of(*w);
@@ -361,6 +363,21 @@ void bm_phase(benchmark::State& state, const workload_spec* w, phase p) {
                                                                     spec.input_shape),
                         kfac::conv_patch_mode::reference, 0.0f, ws[i]);
                     break;
+                case phase::a_stats_im2col: {
+                    // The conv statistic by im2col + SYRK even where the step takes the shift
+                    // structure: a_stats_im2col / a_stats is what that route saves.
+                    const auto view = kfac::tensor_view<const float>::from_extents(data[i].inputs[0].data(),
+                                                                                  spec.input_shape);
+                    if (spec.description.kind == kfac::layer_kind::conv2d) {
+                        const auto grid = kfac::make_patch_grid(spec.description.conv, view.extent(2),
+                                                                view.extent(3), kfac::conv_patch_mode::reference);
+                        backend::accumulate_patch_gram_im2col(sums[i], spec.description, view, grid, 0.0f, ws[i]);
+                    } else {
+                        backend::accumulate_a_statistic(sums[i], spec.description, view,
+                                                        kfac::conv_patch_mode::reference, 0.0f, ws[i]);
+                    }
+                    break;
+                }
                 case phase::g_stats:
                     backend::accumulate_g_statistic(
                         sums[i], spec.description,
@@ -418,6 +435,7 @@ void register_all() {
                 ->Unit(benchmark::kMillisecond);
         }
         const std::pair<const char*, phase> phases[] = {{"a_stats", phase::a_stats},
+                                                        {"a_stats_im2col", phase::a_stats_im2col},
                                                         {"g_stats", phase::g_stats},
                                                         {"running_average", phase::running_average},
                                                         {"eigh", phase::eigh},

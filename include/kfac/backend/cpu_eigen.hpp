@@ -72,6 +72,7 @@
 
 #include "kfac/backend/blas_kernels.hpp"
 #include "kfac/backend/detail/blas_lapack.hpp"
+#include "kfac/backend/detail/shifted_patch_gram.hpp"
 #include "kfac/config.hpp"
 #include "kfac/detail/statistics_views.hpp"
 #include "kfac/layers/im2col.hpp"
@@ -125,6 +126,7 @@ struct cpu_eigen {
         std::vector<Scalar> reduced;       ///< one row per example (weight sharing `reduce`)
         std::vector<std::int64_t> counts;  ///< occurrences of each token id (Embedding)
         std::vector<Scalar> products;      ///< x̂ ⊙ dy of one example (normalisation layers)
+        detail::shifted_gram_scratch<Scalar> shifted;  ///< stride-1 conv A statistic
     };
 
     /// Factors, second-order data and gradients live in host memory.
@@ -222,13 +224,21 @@ struct cpu_eigen {
             }
             return;
         }
-        const index n = a.extent(0), channels = a.extent(1), height = a.extent(2),
-                    width = a.extent(3);
-        const patch_grid grid = make_patch_grid(d.conv, height, width, mode);
+        const patch_grid grid = make_patch_grid(d.conv, a.extent(2), a.extent(3), mode);
+        if (detail::shifted_patch_gram_pays(d.conv, grid, a.extent(1), a.extent(2), a.extent(3)))
+            accumulate_patch_gram_shifted(sum, d, a, grid, beta, ws);
+        else
+            accumulate_patch_gram_im2col(sum, d, a, grid, beta, ws);
+    }
+
+    /// The conv A statistic by im2col: patches extracted a chunk of rows at a time, one SYRK
+    /// per chunk. Every geometry; the route for strides above 1 and for few channels.
+    static void accumulate_patch_gram_im2col(matrix& sum, const layer_description& d, tensor_view<const Scalar> a,
+                                             const patch_grid& grid, Scalar beta, workspace& ws) {
+        const index cols = d.weight_columns();
+        const index n = a.extent(0), channels = a.extent(1), height = a.extent(2), width = a.extent(3);
         const index spatial = grid.positions();
-        const Scalar s = static_cast<Scalar>(spatial);
-        // Σ (x̃/S)(x̃/S)ᵀ / (N·S) = X̃ᵀX̃ / (N·S³), the reference's scaling.
-        const Scalar alpha = Scalar(1) / (static_cast<Scalar>(n) * s * s * s);
+        const Scalar alpha = patch_gram_scale(n, spatial);
         const index total_rows = n * grid.rows;  // (sample, grid row) pairs
         const index chunk_rows = std::max<index>(
             1, KFAC_IM2COL_CHUNK_ROWS / std::max<index>(1, grid.cols));
@@ -249,6 +259,32 @@ struct cpu_eigen {
             }
         }
         if (d.bias) add_bias_row(sum, sums, n * spatial, alpha, beta);
+    }
+
+    /// The conv A statistic of a stride-1 convolution from the shift structure of its patches
+    /// (kfac/backend/detail/shifted_patch_gram.hpp): one cross-product per tap offset instead
+    /// of im2col. The same sums in another order.
+    static void accumulate_patch_gram_shifted(matrix& sum, const layer_description& d, tensor_view<const Scalar> a,
+                                              const patch_grid& grid, Scalar beta, workspace& ws) {
+        const index n = a.extent(0), spatial = grid.positions();
+        const Scalar alpha = patch_gram_scale(n, spatial);
+        const auto geometry = detail::make_shifted_gram_geometry(d.conv, grid, a.extent(1), a.extent(2), a.extent(3));
+#if KFAC_HAS_LAPACK
+        check_blas_kernels();
+#endif
+        detail::accumulate_shifted_patch_gram(sum.data(), sum.rows(), a.data, n, geometry, alpha, beta, ws.shifted);
+        if (d.bias) {
+            Eigen::Matrix<Scalar, 1, Eigen::Dynamic> sums =
+                Eigen::Matrix<Scalar, 1, Eigen::Dynamic>::Zero(d.weight_columns());
+            detail::add_patch_element_sums(sums, a.data, n, geometry);
+            add_bias_row(sum, sums, n * spatial, alpha, beta);
+        }
+    }
+
+    /// Σ (x̃/S)(x̃/S)ᵀ / (N·S) = X̃ᵀX̃ / (N·S³): the reference's scaling of a conv A statistic.
+    static Scalar patch_gram_scale(index n, index spatial) {
+        const auto s = static_cast<Scalar>(spatial);
+        return Scalar(1) / (static_cast<Scalar>(n) * s * s * s);
     }
 
     /// G statistic of one batch: sum = beta·sum + YᵀY / (N·S³) (golden §4.1, §4.2 step 5).
