@@ -6,7 +6,10 @@
 ///     LAPACK ?syevd called directly, and the backend's choice (cpu_eigen::symmetric_eigen,
 ///     which switches from Eigen to syevd above KFAC_EIGEN_SOLVER_MAX_DIM);
 ///   * damped SPD inverse: the backend's damped_inverse (potrf + potri with LAPACK), the same
-///     two LAPACK calls made directly, and Eigen's LLT followed by solve(I).
+///     two LAPACK calls made directly, and Eigen's LLT followed by solve(I);
+///   * the machine's GEMM rate at the same n (gemm_reference: C = A·B, 2n³ flops), the ceiling
+///     the solvers' rates are read against: syevd's tridiagonal reduction is half matrix–vector
+///     work and cannot reach it, its back-transformation and the Cholesky inverse nearly can.
 ///
 /// Inputs are Wishart matrices A = X Xᵀ / n + 1e-3 I, X an n × n standard normal matrix with a
 /// fixed seed. Their Marchenko–Pastur spectrum has few clustered eigenvalues, so divide and
@@ -176,6 +179,30 @@ void eigh_lapack_syevd(benchmark::State& state) {
 }
 #endif
 
+// ---- the GEMM rate --------------------------------------------------------------------------
+
+/// C = A·B of two n × n matrices (BLAS ?gemm with LAPACK builds, Eigen's product without), as
+/// GFLOP/s at 2n³: what this machine's BLAS reaches on the kernel every other rate is read
+/// against (plot_eigensolver.py draws the solvers' rates as fractions of it).
+template <class T>
+void gemm_reference(benchmark::State& state) {
+    const index n = state.range(0);
+    const matrix<T>& a = wishart<T>(n);
+    matrix<T> c(n, n);
+    for (auto _ : state) {
+#if KFAC_HAS_LAPACK
+        const auto ni = static_cast<kfac::backend::detail::blas_int>(n);
+        kfac::backend::detail::gemm(CblasNoTrans, CblasNoTrans, ni, ni, ni, T(1), a.data(), ni, a.data(), ni, T(0),
+                                    c.data(), ni);
+#else
+        c.noalias() = a * a;
+#endif
+        benchmark::DoNotOptimize(c.data());
+    }
+    const double d = static_cast<double>(n);
+    set_rate(state, 2.0 * d * d * d);
+}
+
 // ---- damped inverse ------------------------------------------------------------------------
 
 template <class T>
@@ -291,6 +318,11 @@ BENCHMARK_TEMPLATE(eigh_lapack_syevd, double)->Apply(sizes_small);
 BENCHMARK_TEMPLATE(eigh_lapack_syevd, double)->Apply(size_2048);
 BENCHMARK_TEMPLATE(eigh_lapack_syevd, double)->Apply(size_4608);
 #endif
+
+BENCHMARK_TEMPLATE(gemm_reference, float)->Apply(sizes_small);
+BENCHMARK_TEMPLATE(gemm_reference, float)->Apply(size_2048);
+BENCHMARK_TEMPLATE(gemm_reference, double)->Apply(sizes_small);
+BENCHMARK_TEMPLATE(gemm_reference, double)->Apply(size_2048);
 
 BENCHMARK_TEMPLATE(inv_backend, float)->Apply(sizes_small);
 BENCHMARK_TEMPLATE(inv_backend, float)->Apply(size_2048);
