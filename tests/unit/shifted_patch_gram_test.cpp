@@ -219,3 +219,27 @@ TEST_CASE("the backend takes the shift structure where it pays and gives the ref
         CHECK(error <= bound);
     }
 }
+
+TEST_CASE("a large tap-major accumulator is freed after the call, a small one kept", "[shifted]") {
+    // K = C·9 channels × taps: 120 channels give K² = 1,166,400 scalars, above the 2²⁰ kept.
+    for (const idx_t channels : {8, 120}) {
+        INFO(channels << " channels");
+        const conv_input in{1, channels, 3, 3, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 1}, kfac::conv_patch_mode::reference};
+        const kfac::patch_grid grid = kfac::make_patch_grid(in.g, in.h, in.w, in.mode);
+        const auto geometry = sg::make_shifted_gram_geometry(in.g, grid, in.c, in.h, in.w);
+        const idx_t k = channels * 9;
+        const auto x = random_vector<float>(static_cast<std::size_t>(in.c * in.h * in.w), 5);
+        std::vector<float> sum(static_cast<std::size_t>(k * k), 0.0f);
+        sg::shifted_gram_scratch<float> scratch;
+        sg::accumulate_shifted_patch_gram(sum.data(), k, x.data(), 1, geometry, 1.0f, 0.0f, scratch);
+        const bool large = static_cast<std::size_t>(k * k) > sg::shifted_gram_kept_scalars;
+        CHECK(large == (channels == 120));
+        CHECK(scratch.gram.empty() == large);
+        CHECK(scratch.gram.capacity() == (large ? 0u : static_cast<std::size_t>(k * k)));
+        // The diagonal entry of the centre tap of channel 0: Σ over the 9 patches of x(0, r, s)²
+        // = every pixel once (3 × 3 image, padding 1).
+        double expected = 0.0;
+        for (idx_t i = 0; i < 9; ++i) expected += static_cast<double>(x[static_cast<std::size_t>(i)]) * x[static_cast<std::size_t>(i)];
+        CHECK(std::abs(sum[static_cast<std::size_t>(4 + 4 * k)] - expected) <= 1e-5 * expected);
+    }
+}

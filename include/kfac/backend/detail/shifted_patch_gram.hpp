@@ -172,9 +172,14 @@ void add_cross_product(Scalar* C, std::int64_t ldc, const Scalar* X, const Scala
 template <class Scalar>
 struct shifted_gram_scratch {
     std::vector<Scalar> images;  ///< one group of images, channel-last with row gaps
-    std::vector<Scalar> gram;    ///< tap-major (p·C + c) accumulator, upper block triangle
+    std::vector<Scalar> gram;    ///< tap-major (p·C + c) accumulator, upper block triangle (kept while small)
     std::vector<Scalar> full;    ///< full(Δ) of the current offset, C × C
 };
+
+/// Largest tap-major accumulator (scalars) kept in the scratch between batches: 4 MiB in float.
+/// Above it the accumulator, as large as the statistic itself (85 MB in float for a 3 × 3 conv
+/// of 512 channels), is freed after each call instead of staying with every such layer.
+inline constexpr std::size_t shifted_gram_kept_scalars = std::size_t{1} << 20;
 
 /// Images per group: the group's channel-last copy stays near 256 KiB, so that the GEMMs of
 /// all offsets read it from L2.
@@ -275,6 +280,7 @@ void accumulate_shifted_patch_gram(Scalar* sum, std::int64_t ld_sum, const Scala
             }
         }
     }
+    if (scratch.gram.size() > shifted_gram_kept_scalars) std::vector<Scalar>().swap(scratch.gram);
 }
 
 /// Σ over the patches of each patch element (c, u, v), added to sums[(c·k_h + u)·k_w + v]:
