@@ -22,7 +22,7 @@ try:
 except ImportError:
     sys.exit("plot_eigensolver.py needs matplotlib: apt install python3-matplotlib")
 
-# bench name -> legend; n^3 flop model of the rate (14/3 for eigensolvers, 2 for GEMM)
+# bench family -> legend (every rate is bench_eigensolver's, 14/3 n³ flops per decomposition)
 SERIES = {
     "eigh_backend": "kfac symmetric_eigen",
     "eigh_lapack_syevd": "LAPACK ssyevd (bare)",
