@@ -7,6 +7,10 @@
 ///     which switches from Eigen to syevd above KFAC_EIGEN_SOLVER_MAX_DIM);
 ///   * damped SPD inverse: the backend's damped_inverse (potrf + potri with LAPACK), the same
 ///     two LAPACK calls made directly, and Eigen's LLT followed by solve(I);
+///   * the approximate refresh of options.eigenbasis_reuse_tolerance (reuse_drift): the
+///     Rayleigh quotients and residual of a factor that drifted from the one its basis came
+///     from, timed against eigh_backend at the same n, with its error against the exact
+///     decomposition of the drifted factor (below);
 ///   * the machine's GEMM rate at the same n (gemm_reference: C = A·B, 2n³ flops), the ceiling
 ///     the solvers' rates are read against: syevd's tridiagonal reduction is half matrix–vector
 ///     work and cannot reach it, its back-transformation and the Cholesky inverse nearly can.
@@ -30,6 +34,7 @@
 #include <cstdlib>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -99,6 +104,83 @@ void set_rate(benchmark::State& state, double flops) {
 }
 
 // ---- eigendecomposition --------------------------------------------------------------------
+
+/// A factor F₀ (the Wishart matrix) with eigenvectors Q₀ and eigenvalues λ₀, and the factor
+/// F₁ it drifted to, in the two ways factors move between inverse updates:
+///   F₁ = Q₀ diag(λ₀ ∘ exp(0.2 z)) Q₀ᵀ + δ ‖F₀‖_F E / ‖E‖_F,
+/// its eigenvalues rescaled by a random ±20 % (z standard normal, fixed seed; the part a kept
+/// basis follows exactly) and a symmetric zero-mean move E of relative size δ in a direction
+/// unrelated to Q₀ (the difference of two more Wishart matrices; the part it leaves out, and
+/// the residual it measures). The errors compare what the preconditioner would use for F₁
+/// with F₁'s own damped inverse, ‖M⁻¹ − (F₁ + γI)⁻¹‖_F / ‖(F₁ + γI)⁻¹‖_F, at a damping of 1 %
+/// and of 10 % of the mean eigenvalue (γ = 0.01 or 0.1 tr F₁ / n; eigenvalues clamped at 0):
+///   reuse: M = Q₀ diag(qᵢᵀ F₁ qᵢ) Q₀ᵀ + γI, what a kept basis gives;
+///   stale: M = Q₀ diag(λ₀) Q₀ᵀ + γI, what skipping the update gives (a longer inv_update_steps).
+/// The damped inverse is dominated by the eigenvalues near γ, which this spectrum (Marchenko–
+/// Pastur, many eigenvalues near 0) has in plenty: any move of the factor larger than γ there
+/// shows, whatever the method, so the 1 % errors are large even for small δ.
+struct drifted_factor {
+    matrix<double> f1, q0;
+    double residual = 0.0;
+    double error_reuse[2] = {0.0, 0.0}, error_stale[2] = {0.0, 0.0};  // γ at 1 % and 10 %
+};
+
+matrix<double> damped_inverse_from(const matrix<double>& q, vector<double> lambda, double gamma) {
+    lambda = (lambda.array().max(0.0) + gamma).inverse().matrix();
+    return q * lambda.asDiagonal() * q.transpose();
+}
+
+const drifted_factor& drifted(index n, int drift_permille) {
+    static std::map<std::pair<index, int>, drifted_factor> cache;
+    const auto key = std::make_pair(n, drift_permille);
+    if (auto it = cache.find(key); it != cache.end()) return it->second;
+    using solver = kfac::backend::cpu_eigen<double>;  // syevd at these sizes (Eigen's: seconds each)
+    drifted_factor d;
+    vector<double> lambda0, lambda1;
+    matrix<double> q1;
+    if (!solver::symmetric_eigen(wishart_double(n), d.q0, lambda0))
+        throw std::runtime_error("bench_eigensolver: a reference decomposition failed");
+    std::mt19937_64 rng(777u + static_cast<std::uint64_t>(n));
+    std::normal_distribution<double> normal(0.0, 1.0);
+    vector<double> rescaled = lambda0;
+    for (index i = 0; i < n; ++i) rescaled(i) *= std::exp(0.2 * normal(rng));
+    const matrix<double> e = wishart_double(n + 1).topLeftCorner(n, n) - wishart_double(n + 2).topLeftCorner(n, n);
+    d.f1 = d.q0 * rescaled.asDiagonal() * d.q0.transpose();
+    d.f1 += (1e-3 * drift_permille * wishart_double(n).norm() / e.norm()) * e;
+    if (!solver::symmetric_eigen(d.f1, q1, lambda1))
+        throw std::runtime_error("bench_eigensolver: a reference decomposition failed");
+    const matrix<double> projected = d.q0.transpose() * d.f1 * d.q0;
+    d.residual = (projected - matrix<double>(projected.diagonal().asDiagonal())).norm() / d.f1.norm();
+    for (int k = 0; k < 2; ++k) {
+        const double gamma = (k == 0 ? 0.01 : 0.1) * d.f1.trace() / static_cast<double>(n);
+        const matrix<double> exact = damped_inverse_from(q1, lambda1, gamma);
+        d.error_reuse[k] = (damped_inverse_from(d.q0, projected.diagonal(), gamma) - exact).norm() / exact.norm();
+        d.error_stale[k] = (damped_inverse_from(d.q0, lambda0, gamma) - exact).norm() / exact.norm();
+    }
+    return cache.emplace(key, std::move(d)).first->second;
+}
+
+/// rayleigh_quotients(F₁, Q₀) in T: the whole cost of a kept basis. Counters: the residual
+/// it measured (the tolerance compares against it) and the errors above.
+template <class T>
+void reuse_drift(benchmark::State& state) {
+    const index n = state.range(0);
+    const auto& d = drifted(n, static_cast<int>(state.range(1)));
+    const matrix<T> f1 = d.f1.template cast<T>(), q0 = d.q0.template cast<T>();
+    vector<T> lambda;
+    double residual = 0.0;
+    for (auto _ : state) {
+        residual = kfac::backend::cpu_eigen<T>::rayleigh_quotients(f1, q0, lambda);
+        benchmark::DoNotOptimize(lambda.data());
+    }
+    state.counters["residual"] = residual;
+    state.counters["residual_exact"] = d.residual;
+    state.counters["error_reuse_1pct"] = d.error_reuse[0];
+    state.counters["error_stale_1pct"] = d.error_stale[0];
+    state.counters["error_reuse_10pct"] = d.error_reuse[1];
+    state.counters["error_stale_10pct"] = d.error_stale[1];
+    set_rate(state, 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n));
+}
 
 template <class T>
 void eigh_eigen_saes(benchmark::State& state) {
@@ -289,6 +371,17 @@ void size_2048(benchmark::internal::Benchmark* b) {
         ->Unit(benchmark::kMillisecond);
 }
 
+/// n and the drift δ in thousandths: 1 %, 5 %, 10 %, 20 % relative off-diagonal movement
+/// (n = 64 for the smoke test).
+void sizes_drift(benchmark::internal::Benchmark* b) {
+    b->ArgNames({"n", "drift_permille"})
+        ->ArgsProduct({{64, 1024, 2048}, {10, 50, 100, 200}})
+        ->Repetitions(3)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+}
+
 void size_4608(benchmark::internal::Benchmark* b) {
     b->ArgName("n")->Args({4608})->Iterations(1)->UseRealTime()->Unit(benchmark::kMillisecond);
 }
@@ -318,6 +411,8 @@ BENCHMARK_TEMPLATE(eigh_lapack_syevd, double)->Apply(sizes_small);
 BENCHMARK_TEMPLATE(eigh_lapack_syevd, double)->Apply(size_2048);
 BENCHMARK_TEMPLATE(eigh_lapack_syevd, double)->Apply(size_4608);
 #endif
+
+BENCHMARK_TEMPLATE(reuse_drift, float)->Apply(sizes_drift);
 
 BENCHMARK_TEMPLATE(gemm_reference, float)->Apply(sizes_small);
 BENCHMARK_TEMPLATE(gemm_reference, float)->Apply(size_2048);

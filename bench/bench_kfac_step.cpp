@@ -12,11 +12,16 @@
 ///   + preconditioning (factor_update_steps = inv_update_steps = 1 on the timed steps).
 /// kfac_step/<workload>/<method>/non_update: preconditioning only (both intervals 10⁶, step 0
 ///   done before timing).
+/// kfac_step/<workload>/eigen_reuse/update: the eigen update step with
+///   options.eigenbasis_reuse_tolerance = reuse_tolerance (below); counters `reused` and
+///   `decomposed` say how many of the timed steps' dense factors kept their eigenvectors.
 /// kfac_phase/<workload>/<phase>: the backend calls of one phase over all layers, to see where
 ///   a step's time goes: a_stats, g_stats (batch statistics; a_stats_im2col: the conv A
 ///   statistics by im2col + SYRK, the route stride-1 convolutions no longer take, for the
 ///   ratio), running_average (symmetrise the
 ///   statistic and fold it into the factor), eigh, inverse (second-order data of every factor),
+///   eigh_reuse (what replaces eigh when a basis is kept: rayleigh_quotients of every factor in
+///   a basis computed before timing),
 ///   gradient_io (load_gradient + store_gradient: the copies between the host's row-major
 ///   gradients and the backend's column-major matrices, done on every step).
 ///
@@ -32,6 +37,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -47,6 +53,13 @@ namespace {
 using index = std::int64_t;
 using backend = kfac::backend::cpu_eigen<float>;
 using matrix = backend::matrix;
+
+/// The tolerance of the eigen_reuse steps. These workloads' data are i.i.d. Gaussian, the
+/// hardest case for reuse: each step's statistic is a fresh sample whose off-diagonal part in
+/// any fixed basis is large (W2's factors move by ≈ 0.1 relative off-diagonal mass per step),
+/// so a tolerance of 0.2 is needed here for the basis to be kept at all; the flagship's
+/// trained network (README, "Approximate eigenbasis refresh") is the measure of its effect.
+constexpr double reuse_tolerance = 0.2;
 
 struct layer_spec {
     std::string name;
@@ -244,10 +257,12 @@ double median(std::vector<double> v) {
 }
 
 template <class Method>
-void bm_step(benchmark::State& state, const workload_spec* w, bool update) {
+void bm_step(benchmark::State& state, const workload_spec* w, bool update, double tolerance) {
     const auto& data = data_of(*w);
     std::vector<live_layer> live(w->layers.size());  // never resized: the views must not move
-    kfac::KFAC<backend, kfac::comm::serial, Method> precond(step_options(*w, update));
+    auto options = step_options(*w, update);
+    options.eigenbasis_reuse_tolerance = tolerance;
+    kfac::KFAC<backend, kfac::comm::serial, Method> precond(options);
     for (std::size_t i = 0; i < live.size(); ++i) {
         const layer_spec& spec = w->layers[i];
         live_layer& l = live[i];
@@ -266,6 +281,7 @@ void bm_step(benchmark::State& state, const workload_spec* w, bool update) {
         precond.step();
     }
     std::vector<double> times;
+    const auto bases_before = precond.eigenbasis_counts();
     for (auto _ : state) {
         prepare_step(live, *w, data, precond.steps());
         const auto start = std::chrono::steady_clock::now();
@@ -282,6 +298,10 @@ void bm_step(benchmark::State& state, const workload_spec* w, bool update) {
     state.counters["median_ms"] = median(times) * 1e3;
     state.counters["min_ms"] = times.empty() ? 0.0 : *std::min_element(times.begin(), times.end()) * 1e3;
     state.counters["layers"] = static_cast<double>(precond.layer_count());
+    if (tolerance > 0.0) {
+        state.counters["reused"] = static_cast<double>(precond.eigenbasis_counts().reused - bases_before.reused);
+        state.counters["decomposed"] = static_cast<double>(precond.eigenbasis_counts().decomposed - bases_before.decomposed);
+    }
 }
 
 // ---- phases (backend calls as the step makes them) -----------------------------------------
@@ -325,7 +345,7 @@ const factor_set& factors_of(const workload_spec& w) {
     return cache.emplace(w.name, std::move(f)).first->second;
 }
 
-enum class phase { a_stats, a_stats_im2col, g_stats, running_average, eigh, inverse, gradient_io };
+enum class phase { a_stats, a_stats_im2col, g_stats, running_average, eigh, eigh_reuse, inverse, gradient_io };
 
 void bm_phase(benchmark::State& state, const workload_spec* w, phase p) {
     const auto& data = data_of(*w);
@@ -343,6 +363,12 @@ void bm_phase(benchmark::State& state, const workload_spec* w, phase p) {
         out_w[i].resize(data[i].grad_weight.size());
         out_b[i].resize(data[i].grad_bias.size());
     }
+    std::vector<matrix> basis_a(n), basis_g(n);  // eigh_reuse: the kept eigenvectors
+    if (p == phase::eigh_reuse)
+        for (std::size_t i = 0; i < n; ++i)
+            if (!backend::symmetric_eigen(factors.a[i], basis_a[i], lambda[i]) ||
+                !backend::symmetric_eigen(factors.g[i], basis_g[i], lambda[i]))
+                state.SkipWithError("a decomposition failed");
     if (p == phase::running_average) {
         // Both factors of every layer; the statistic is the factor itself (values do not matter).
         for (std::size_t i = 0; i < n; ++i) {
@@ -406,6 +432,10 @@ void bm_phase(benchmark::State& state, const workload_spec* w, phase p) {
                     ok = backend::symmetric_eigen(factors.a[i], q[i], lambda[i]) &&
                          backend::symmetric_eigen(factors.g[i], q[i], lambda[i]);
                     break;
+                case phase::eigh_reuse:  // the quotients and residual a kept basis costs
+                    ok = !std::isnan(backend::rayleigh_quotients(factors.a[i], basis_a[i], lambda[i]) +
+                                     backend::rayleigh_quotients(factors.g[i], basis_g[i], lambda[i]));
+                    break;
                 case phase::inverse:
                     ok = backend::damped_inverse(factors.a[i], 0.003f, q[i]) &&
                          backend::damped_inverse(factors.g[i], 0.003f, q[i]);
@@ -424,21 +454,27 @@ void register_all() {
             const std::string mode = update ? "update" : "non_update";
             const index iterations = update ? w.update_iterations : w.non_update_iterations;
             benchmark::RegisterBenchmark(("kfac_step/" + w.name + "/eigen/" + mode).c_str(),
-                                         bm_step<kfac::compute::eigendecomposition>, wp, update)
+                                         bm_step<kfac::compute::eigendecomposition>, wp, update, 0.0)
                 ->UseManualTime()
                 ->Iterations(iterations)
                 ->Unit(benchmark::kMillisecond);
             benchmark::RegisterBenchmark(("kfac_step/" + w.name + "/inverse/" + mode).c_str(),
-                                         bm_step<kfac::compute::inverse>, wp, update)
+                                         bm_step<kfac::compute::inverse>, wp, update, 0.0)
                 ->UseManualTime()
                 ->Iterations(iterations)
                 ->Unit(benchmark::kMillisecond);
         }
+        benchmark::RegisterBenchmark(("kfac_step/" + w.name + "/eigen_reuse/update").c_str(),
+                                     bm_step<kfac::compute::eigendecomposition>, wp, true, reuse_tolerance)
+            ->UseManualTime()
+            ->Iterations(w.update_iterations)
+            ->Unit(benchmark::kMillisecond);
         const std::pair<const char*, phase> phases[] = {{"a_stats", phase::a_stats},
                                                         {"a_stats_im2col", phase::a_stats_im2col},
                                                         {"g_stats", phase::g_stats},
                                                         {"running_average", phase::running_average},
                                                         {"eigh", phase::eigh},
+                                                        {"eigh_reuse", phase::eigh_reuse},
                                                         {"inverse", phase::inverse},
                                                         {"gradient_io", phase::gradient_io}};
         for (const auto& [name, p] : phases)

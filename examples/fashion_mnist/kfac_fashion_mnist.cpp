@@ -120,6 +120,7 @@ struct optimizer_settings {
     // K-FAC only:
     double damping = 0.0, kl_clip = 0.0, factor_decay = 0.95;
     int factor_update_steps = 10, inv_update_steps = 100;
+    double eigenbasis_reuse = 0.0;  // options.eigenbasis_reuse_tolerance (0: exact)
 };
 
 struct settings {
@@ -173,6 +174,8 @@ void usage() {
         "  --kfac-lr X, --kfac-momentum X, --kfac-weight-decay X   the same with K-FAC\n"
         "  --damping X, --kl-clip X (0: none), --factor-decay X\n"
         "  --factor-update-steps N, --inv-update-steps N      (default 10, 100)\n"
+        "  --eigenbasis-reuse TAU keep a factor's eigenvectors while they diagonalise it to within TAU\n"
+        "                         (options.eigenbasis_reuse_tolerance; default 0: exact; the run is named kfac_reuse_TAU)\n"
         "  --data DIR             the four *-ubyte.gz files (default %s)\n"
         "  --csv PATH             per-epoch results (default kfac_fashion_mnist.csv)\n"
         "  --plot PATH            the plot (default: the CSV's path with .png); --no-plot for none\n"
@@ -212,6 +215,7 @@ settings read_settings(int argc, char** argv, bool& help) {
     s.kfac.factor_decay = args.number("factor-decay", s.kfac.factor_decay);
     s.kfac.factor_update_steps = static_cast<int>(args.integer("factor-update-steps", s.kfac.factor_update_steps));
     s.kfac.inv_update_steps = static_cast<int>(args.integer("inv-update-steps", s.kfac.inv_update_steps));
+    s.kfac.eigenbasis_reuse = args.number("eigenbasis-reuse", s.kfac.eigenbasis_reuse);
     s.data = args.text("data", s.data.string());
     s.csv = args.text("csv", s.csv.string());
     s.plot = args.text("plot", fs::path(s.csv).replace_extension(".png").string());
@@ -320,6 +324,7 @@ public:
         opts.factor_decay = o_.factor_decay;
         opts.factor_update_steps = std::int64_t{o_.factor_update_steps};
         opts.inv_update_steps = std::int64_t{o_.inv_update_steps};
+        opts.eigenbasis_reuse_tolerance = o_.eigenbasis_reuse;
         opts.threads = settings_.threads;
         // The BatchNorm layers stay the optimizer's, as kfac-pytorch leaves them: the figures
         // in README.md are this preconditioner's against the reference's (remove the pattern
@@ -579,7 +584,12 @@ int main_body(int argc, char** argv) {
     std::vector<std::unique_ptr<run>> runs;
     if (s.optimizers != "kfac") runs.push_back(std::make_unique<run>("sgd", s, s.sgd, procs));
     if (s.optimizers != "sgd") {
-        runs.push_back(std::make_unique<run>("kfac", s, s.kfac, procs));
+        // A run with the approximate refresh is named apart (kfac_reuse_0.05), so its rows plot
+        // beside exact ones.
+        std::ostringstream name;
+        if (s.kfac.eigenbasis_reuse > 0.0) name << "kfac_reuse_" << s.kfac.eigenbasis_reuse;  // 6 significant digits
+        else name << "kfac";
+        runs.push_back(std::make_unique<run>(name.str(), s, s.kfac, procs));
         runs.back()->attach_kfac(steps_total);
     }
 
@@ -667,6 +677,10 @@ int main_body(int argc, char** argv) {
                         static_cast<long long>(r->precond()->health().skipped_factor_updates +
                                                r->precond()->health().kept_decompositions +
                                                r->precond()->health().zeroed_gradients));
+        if (r->precond() && s.kfac.eigenbasis_reuse > 0.0)
+            std::printf("  [eigenbases: %lld reused, %lld decomposed]",
+                        static_cast<long long>(r->precond()->eigenbasis_counts().reused),
+                        static_cast<long long>(r->precond()->eigenbasis_counts().decomposed));
         std::printf("\n");
     }
     for (const auto& r : runs)

@@ -13,6 +13,14 @@ import sys
 
 LABELS = {"sgd": "SGD+momentum", "kfac": "SGD+momentum+K-FAC"}
 COLORS = {"sgd": "tab:blue", "kfac": "tab:orange"}
+REUSE = "kfac_reuse_"  # K-FAC with --eigenbasis-reuse TAU: kfac_reuse_TAU
+REUSE_COLORS = ["tab:green", "tab:red", "tab:purple", "tab:brown"]
+
+
+def label(optimizer):
+    if optimizer.startswith(REUSE):
+        return f"SGD+momentum+K-FAC, eigenbasis reuse τ={optimizer[len(REUSE):]}"
+    return LABELS.get(optimizer, optimizer)
 STYLES = {"cnn": "-", "resnet": "--"}
 
 
@@ -47,17 +55,19 @@ def main(argv):
         print(f"plot_fashion_mnist.py: {csv_paths} hold no rows", file=sys.stderr)
         return 2
 
+    reuse = sorted({k[1] for k in runs if k[1].startswith(REUSE)}, key=lambda o: float(o[len(REUSE):]))
+    colors = dict(COLORS, **{o: REUSE_COLORS[i % len(REUSE_COLORS)] for i, o in enumerate(reuse)})
     models = sorted({k[0] for k in runs})
     seeds = sorted({k[2] for k in runs})
     fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
     labelled = set()
     for (model, optimizer, seed), points in sorted(runs.items()):
         points = [p for p in points if p[0] > 0]  # epoch 0 (the initial model) is off the scale
-        label = f"{LABELS.get(optimizer, optimizer)}" + (f", {model}" if len(models) > 1 else "")
-        style = dict(color=COLORS.get(optimizer), linestyle=STYLES.get(model, "-"), marker="o", markersize=3,
+        text = label(optimizer) + (f", {model}" if len(models) > 1 else "")
+        style = dict(color=colors.get(optimizer), linestyle=STYLES.get(model, "-"), marker="o", markersize=3,
                      alpha=1.0 if len(seeds) == 1 else 0.6,
-                     label=None if label in labelled else label)
-        labelled.add(label)
+                     label=None if text in labelled else text)
+        labelled.add(text)
         by_epoch.plot([p[0] for p in points], [100 * p[1] for p in points], **style)
         by_time.plot([p[2] for p in points], [100 * p[1] for p in points], **style)
     # The axis starts at 75 % so that the last epochs' differences (tenths of a point) show;
@@ -83,7 +93,9 @@ def main(argv):
     by_epoch.set_title("test accuracy per epoch")
     by_time.set_title("test accuracy against training time")
     seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(seeds)}"
-    fig.suptitle(f"Fashion-MNIST ({' and '.join(models)}, {seed_text}): SGD with momentum vs SGD with momentum + K-FAC")
+    compared = ("K-FAC with exact and with reused eigenbases" if reuse
+                else "SGD with momentum vs SGD with momentum + K-FAC")
+    fig.suptitle(f"Fashion-MNIST ({' and '.join(models)}, {seed_text}): {compared}")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     return 0

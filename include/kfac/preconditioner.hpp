@@ -28,6 +28,7 @@
 #include "kfac/assignment/kaisa_grid.hpp"
 #include "kfac/assignment/strategies.hpp"
 #include "kfac/backend/diagonal_factors.hpp"
+#include "kfac/backend/eigenbasis_reuse.hpp"
 #include "kfac/backend/unit_wise_factors.hpp"
 #include "kfac/config.hpp"
 #include "kfac/comm/serial.hpp"
@@ -73,6 +74,7 @@ public:
         agree_on([&] {
             validate(options_);
             if (!options_.damping.is_schedule()) detail::check_damping_representable<scalar_type>(options_.damping(0));
+            check_eigenbasis_reuse_supported();
             auto compile = [](const char* option, const std::string& pattern) {
                 try {
                     return std::regex(pattern, std::regex::ECMAScript);
@@ -272,6 +274,14 @@ public:
     /// ν of the last step (1 when kl_clip is off or did not bind).
     [[nodiscard]] double last_kl_scale() const noexcept { return last_kl_scale_; }
     [[nodiscard]] const health_counters& health() const noexcept { return health_; }
+    /// Dense factors this rank has computed second-order data for since construction (not
+    /// saved in checkpoints): with options.eigenbasis_reuse_tolerance, how many kept their
+    /// previous eigenvectors and how many were decomposed (every one without it).
+    struct eigenbasis_count {
+        std::int64_t decomposed = 0;
+        std::int64_t reused = 0;
+    };
+    [[nodiscard]] eigenbasis_count eigenbasis_counts() const noexcept { return bases_; }
     /// Called (on the thread that runs step()) for every contained non-finite event.
     void on_non_finite(std::function<void(const non_finite_event&)> callback) {
         on_non_finite_ = std::move(callback);
@@ -456,7 +466,7 @@ private:
         plan.damping = second_order_damping_;
         step_outcome outcome;
         const blas_threads_guard blas_threads(serial_blas_);
-        update_second_order(plan, outcome);
+        update_second_order(plan, outcome, /*reuse_bases=*/false);  // no saved eigenvectors to keep: exact
         health_.kept_decompositions += outcome.health.kept_decompositions;
     }
 
@@ -605,6 +615,20 @@ private:
             });
     }
 
+    /// options.eigenbasis_reuse_tolerance keeps eigenvectors: the eigen method's, on a backend
+    /// that can measure them (kfac/backend/eigenbasis_reuse.hpp).
+    void check_eigenbasis_reuse_supported() const {
+        if (options_.eigenbasis_reuse_tolerance == 0.0) return;
+        const std::string option = "options.eigenbasis_reuse_tolerance = " + detail::number_text(options_.eigenbasis_reuse_tolerance);
+        if (!std::is_same_v<ComputeMethod, compute::eigendecomposition>)
+            throw error(option + " needs the eigendecomposition compute method (this preconditioner uses '" +
+                        ComputeMethod::name + "', which has no eigenvectors to keep); use kfac::compute::eigendecomposition "
+                        "or set the tolerance to 0");
+        if (!detail::backend_with_eigenbasis_reuse<Backend>)
+            throw error(option + " is not supported by this backend (it lacks rayleigh_quotients, "
+                        "kfac/backend/eigenbasis_reuse.hpp); set the tolerance to 0 or use the CPU backend");
+    }
+
     /// What every rank must agree on: the layers in order, then the options that shape the
     /// computation (a schedule is code; only its presence is compared).
     [[nodiscard]] std::vector<detail::config_item> configuration() const {
@@ -630,6 +654,7 @@ private:
         auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
         items.push_back({"options.accumulation_steps", std::to_string(options_.accumulation_steps)});
         items.push_back({"options.compute_eigenvalue_outer_product", flag(options_.compute_eigenvalue_outer_product)});
+        items.push_back({"options.eigenbasis_reuse_tolerance", exact_number_text(options_.eigenbasis_reuse_tolerance)});
         items.push_back({"options.conv_patches", options_.conv_patches == conv_patch_mode::reference ? "reference" : "dilated"});
         items.push_back({"options.strategy", options_.strategy == distribution::kaisa ? "kaisa" : "dp_kfac"});
         items.push_back({"options.grad_worker_fraction", exact_number_text(options_.grad_worker_fraction)});
@@ -877,7 +902,20 @@ private:
         Backend::running_average(l.state.a_factor, l.state.a_sum, decay, weight);
     }
 
-    void update_second_order(const detail::step_plan& plan, step_outcome& outcome) {
+    /// Dense factors this rank decomposed or kept the basis of (eigenbasis_counts()).
+    void count_bases(const layer_record& l, const typename method::factor_data& a, const typename method::factor_data& g) {
+        if constexpr (requires { a.reused_basis; }) {
+            const auto count = [&](bool computes, factor_structure s, const typename method::factor_data& f) {
+                if (computes && s == factor_structure::dense) ++(f.reused_basis ? bases_.reused : bases_.decomposed);
+            };
+            count(l.role.computes_a, l.host.description.a_structure(), a);
+            count(l.role.computes_g, l.host.description.g_structure(), g);
+        }
+    }
+
+    /// `reuse_bases`: options.eigenbasis_reuse_tolerance may keep a factor's previous
+    /// eigenvectors (only data this rank computed in an earlier update counts as previous).
+    void update_second_order(const detail::step_plan& plan, step_outcome& outcome, bool reuse_bases = true) {
         const double damping = plan.damping;
         second_order_damping_ = damping;
         // Decompose every factor this rank owns as independent tasks, then apply the results
@@ -888,26 +926,31 @@ private:
         };
         std::vector<result> results(layers_.size());
         std::vector<detail::task> tasks;
+        const typename method::factor_data none{};
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
             auto& r = results[i];
             const auto& d = l.host.description;
+            // Before the first update a receiver's buffers are sized but hold nothing.
+            const bool has_previous = reuse_bases && l.state.has_second;
+            const auto* previous_a = has_previous ? &l.state.second.a : &none;
+            const auto* previous_g = has_previous ? &l.state.second.g : &none;
             const double n_a = static_cast<double>(d.a_dim()), n_g = static_cast<double>(d.g_factor_dim());
             const double a_cost = d.a_structure() == factor_structure::dense
                                       ? n_a * n_a * n_a
                                       : static_cast<double>(d.a_storage_rows() * d.a_storage_cols());
             if (l.role.computes_a)
-                tasks.push_back({a_cost, [&l, &r, damping] {
+                tasks.push_back({a_cost, [&l, &r, previous_a, damping, this] {
                                      in_layer(l, [&] {
                                          r.ok_a = method::compute_factor(l.state.a_factor, l.host.description.a_structure(),
-                                                                         damping, r.a);
+                                                                         damping, options_, *previous_a, r.a);
                                      });
                                  }});
             if (l.role.computes_g)
-                tasks.push_back({n_g * n_g * n_g, [&l, &r, damping] {
+                tasks.push_back({n_g * n_g * n_g, [&l, &r, previous_g, damping, this] {
                                      in_layer(l, [&] {
                                          r.ok_g = method::compute_factor(l.state.g_factor, l.host.description.g_structure(),
-                                                                         damping, r.g);
+                                                                         damping, options_, *previous_g, r.g);
                                      });
                                  }});
         }
@@ -918,6 +961,7 @@ private:
             const auto& p = l.role;
             if (p.computes_a || p.computes_g) {
                 if (r.ok_a && r.ok_g) {
+                    count_bases(l, r.a, r.g);
                     if (p.computes_a) l.state.second.a = std::move(r.a);
                     if (p.computes_g) l.state.second.g = std::move(r.g);
                     if (p.computes_a && p.computes_g) method::finalize_layer(l.state.second, damping, options_);
@@ -1070,6 +1114,7 @@ private:
     double last_kl_scale_ = 1.0;
     double second_order_damping_ = 0.0;  // of the last inverse update (checkpoints record it)
     health_counters health_{};
+    eigenbasis_count bases_{};
     std::function<void(const non_finite_event&)> on_non_finite_;
     detail::host_staging<Backend> staging_{};  // device data through host memory for comm
     assignment::distribution_plan plan_{};  // where each layer's work runs (from setup())

@@ -785,3 +785,66 @@ TEMPLATE_TEST_CASE("normalisation layers: ranks with different batches equal one
         }
     }
 }
+
+TEST_CASE("eigenbasis reuse: every strategy equals one process, each factor decided on one rank", "[mpi][eigenbasis_reuse]") {
+    // The same batches on every rank, so the averaged factors are one process's (up to the
+    // allreduce's rounding, ~1e-16 relative; τ = 0.5 is far from any residual that rounding
+    // could move across it). The rank that computes a factor decides from its own previous
+    // eigenvectors; the others receive them: the counts summed over ranks are one process's.
+    // 16 rows against dimensions up to 10 keep every eigenvalue simple: in a repeated one's
+    // eigenspace a solver may return any basis, and which one it returns for factors that
+    // differ by rounding (the 3-rank average) decides what a kept basis approximates.
+    const int world = world_size();
+    struct setup {
+        kfac::distribution strategy;
+        double fraction;
+        bool colocate;
+    };
+    for (const setup s : {setup{kfac::distribution::kaisa, kfac::comm_opt, true}, setup{kfac::distribution::kaisa, kfac::hybrid_opt, true},
+                          setup{kfac::distribution::kaisa, kfac::mem_opt, true}, setup{kfac::distribution::kaisa, kfac::comm_opt, false},
+                          setup{kfac::distribution::dp_kfac, kfac::comm_opt, true}}) {
+        if (s.fraction == kfac::hybrid_opt && world % 2 != 0 && world != 1) continue;
+        INFO("dp_kfac " << (s.strategy == kfac::distribution::dp_kfac) << ", fraction " << s.fraction << ", colocate "
+                        << s.colocate);
+        kfac::options o;
+        o.strategy = s.strategy;
+        o.grad_worker_fraction = s.fraction;
+        o.colocate_factors = s.colocate;
+        o.compute_eigenvalue_outer_product = s.colocate;  // the product needs both factors on one rank
+        o.factor_decay = 0.5;
+        o.eigenbasis_reuse_tolerance = 0.5;
+        mpi_kfac<> p(o, kfac::comm::mpi());
+        kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial> whole(o);
+        model spread, one;
+        for (auto* m : {&spread, &one})
+            m->layers = {random_linear<double>(16, 6, 5, true, 1), random_linear<double>(16, 5, 4, false, 2),
+                         random_linear<double>(16, 9, 3, true, 3)};
+        spread.register_all(p);
+        one.register_all(whole);
+        for (std::uint32_t step = 0; step < 6; ++step) {
+            for (auto* m : {&spread, &one}) {
+                m->reset_gradients();
+                for (std::size_t i = 0; i < m->layers.size(); ++i) {
+                    auto& l = m->layers[i];
+                    l.input = random_vector<double>(l.input.size(), 7000 + 10 * step + static_cast<std::uint32_t>(i));
+                    l.bind();
+                }
+            }
+            p.step();
+            whole.step();
+            INFO("step " << step);
+            for (std::size_t i = 0; i < one.layers.size(); ++i) {
+                INFO("layer " << i);
+                // Factors equal to ~1e-16; eigenvectors and the damped division amplify that by
+                // (‖F‖ + γ)/γ ≈ 10³ at most (γ = 0.001): 1e-10 bounds it with a wide margin.
+                CHECK(buffer_rel_err(spread.layers[i].grad_weight, one.layers[i].grad_weight) < 1e-10);
+            }
+        }
+        const auto mine = p.eigenbasis_counts();
+        std::int64_t counts[2] = {mine.reused, mine.decomposed}, totals[2] = {0, 0};
+        MPI_Allreduce(counts, totals, 2, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+        CHECK(whole.eigenbasis_counts().reused > 0);
+        CHECK(totals[0] == whole.eigenbasis_counts().reused);
+        CHECK(totals[1] == whole.eigenbasis_counts().decomposed);
+    }
+}

@@ -86,11 +86,12 @@ kfac::options resume_options(std::int64_t passes) {
 /// N steps straight, and N/2 + save + load into a new preconditioner (and new layer objects)
 /// + N/2: every gradient and the final factors are bitwise equal.
 template <class T, class Method>
-void check_bitwise_resume(std::int64_t passes, bool eigen_product) {
+void check_bitwise_resume(std::int64_t passes, bool eigen_product, double reuse_tolerance = 0.0) {
     using P = precond_t<kfac::backend::cpu_eigen<T>, Method>;
     constexpr std::int64_t n = 14, half = 7;
     auto opts = resume_options(passes);
     opts.compute_eigenvalue_outer_product = eigen_product;
+    opts.eigenbasis_reuse_tolerance = reuse_tolerance;
 
     model<T> straight_model;
     P straight(opts);
@@ -122,6 +123,10 @@ void check_bitwise_resume(std::int64_t passes, bool eigen_product) {
         CHECK(second.g_factor(name) == straight.g_factor(name));
     }
     CHECK(second.steps() == straight.steps());
+    if (reuse_tolerance > 0.0) {  // the resumed half reused bases from the file's eigenvectors
+        CHECK(second.eigenbasis_counts().reused > 0);
+        CHECK(second.eigenbasis_counts().reused + first.eigenbasis_counts().reused == straight.eigenbasis_counts().reused);
+    }
 }
 
 }  // namespace
@@ -129,6 +134,30 @@ void check_bitwise_resume(std::int64_t passes, bool eigen_product) {
 TEST_CASE("resume is bitwise: eigendecomposition, double", "[checkpoint]") {
     check_bitwise_resume<double, kfac::compute::eigendecomposition>(1, true);
     check_bitwise_resume<double, kfac::compute::eigendecomposition>(1, false);
+}
+TEST_CASE("resume is bitwise with eigenbasis reuse: its decisions come from the saved eigenvectors",
+          "[checkpoint][eigenbasis_reuse]") {
+    check_bitwise_resume<double, kfac::compute::eigendecomposition>(1, true, 0.5);
+    check_bitwise_resume<float, kfac::compute::eigendecomposition>(1, false, 0.5);
+}
+TEST_CASE("a checkpoint refuses another eigenbasis_reuse_tolerance unless changes are allowed",
+          "[checkpoint][eigenbasis_reuse]") {
+    using P = precond_t<kfac::backend::cpu_eigen<double>, kfac::compute::eigendecomposition>;
+    auto opts = resume_options(1);
+    model<double> m;
+    P saved(opts);
+    m.register_with(saved);
+    std::vector<std::vector<double>> grads;
+    m.run(saved, 0, 2, 1, grads);
+    const std::string bytes = saved.save_bytes();
+    opts.eigenbasis_reuse_tolerance = 0.05;
+    P other(opts);
+    m.register_with(other);
+    CHECK_THROWS_WITH(other.load_bytes(bytes), Catch::Contains("options.eigenbasis_reuse_tolerance was 0") &&
+                                                   Catch::Contains("is 0.05 now"));
+    CHECK(other.steps() == 0);
+    other.load_bytes(bytes, kfac::checkpoint::load_options{.allow_changed_options = true});
+    CHECK(other.steps() == 2);
 }
 TEST_CASE("resume is bitwise: inverse, double", "[checkpoint]") {
     check_bitwise_resume<double, kfac::compute::inverse>(1, false);
@@ -252,6 +281,20 @@ TEST_CASE("a checkpoint round-trips through a file and a stream", "[checkpoint]"
         CHECK_THAT(e.what(), Catch::Contains("missing.safetensors") && Catch::Contains("cannot open"));
     }
     std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a file from before eigenbasis_reuse_tolerance existed loads as saved with 0", "[checkpoint][eigenbasis_reuse]") {
+    saved_run run;
+    auto older = kfac::checkpoint::parse(run.bytes, "test");
+    REQUIRE(older.metadata.erase("option.eigenbasis_reuse_tolerance") == 1);
+    const std::string bytes = reseal(older);
+    target exact;  // tolerance 0: what that library did
+    exact.p.load_bytes(bytes);
+    CHECK(exact.p.steps() == 4);
+    auto o = resume_options(1);
+    o.eigenbasis_reuse_tolerance = 0.1;
+    target reusing(o);
+    reusing.require_load_fails(bytes, {"options.eigenbasis_reuse_tolerance did not exist when it was saved", "is 0.1 now"});
 }
 
 TEST_CASE("corrupt, truncated and foreign files are refused and change nothing", "[checkpoint]") {

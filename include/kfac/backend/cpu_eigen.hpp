@@ -58,9 +58,11 @@
 /// Optional: the members of kfac/backend/diagonal_factors.hpp (Embedding layers), with which
 /// running_average, scale_symmetric and lower_all_finite also take a diagonal factor's
 /// n × 1 column, and accumulate_a_statistic writes one; and those of
-/// kfac/backend/unit_wise_factors.hpp (LayerNorm, BatchNorm).
+/// kfac/backend/unit_wise_factors.hpp (LayerNorm, BatchNorm), and the one of
+/// kfac/backend/eigenbasis_reuse.hpp (options.eigenbasis_reuse_tolerance).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -482,6 +484,29 @@ struct cpu_eigen {
     static void mirror_lower(matrix& M) {
         if (M.cols() == 1) return;
         M.template triangularView<Eigen::StrictlyUpper>() = M.transpose();
+    }
+
+    // Eigenbasis reuse (kfac/backend/eigenbasis_reuse.hpp): F Q by GEMM (2n³, at the GEMM
+    // rate), then the quotients and both norms in one O(n²) pass, in double so that a
+    // residual near the tolerance is not decided by float rounding of n² terms.
+    static double rayleigh_quotients(const matrix& F, const matrix& Q, vector& lambda) {
+        matrix fq;
+        multiply(F, false, Q, false, fq);
+        const index n = Q.cols(), rows = Q.rows();
+        lambda.resize(n);
+        double off_diagonal = 0.0, norm = 0.0;
+        for (index j = 0; j < n; ++j) {
+            double quotient = 0.0;
+            for (index i = 0; i < rows; ++i) quotient += static_cast<double>(Q(i, j)) * static_cast<double>(fq(i, j));
+            lambda(j) = static_cast<Scalar>(quotient);
+            for (index i = 0; i < rows; ++i) {
+                const double r = static_cast<double>(fq(i, j)) - quotient * static_cast<double>(Q(i, j));
+                const double f = static_cast<double>(F(i, j));
+                off_diagonal += r * r;
+                norm += f * f;
+            }
+        }
+        return std::sqrt(off_diagonal) / std::sqrt(norm);  // NaN for F = 0 or non-finite input
     }
 
     // Diagonal factors and [in, out] weights (kfac/backend/diagonal_factors.hpp).

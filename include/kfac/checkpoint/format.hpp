@@ -83,10 +83,17 @@ inline const std::string health_prefix = "health.";
 [[nodiscard]] inline bool shapes_the_numbers(const std::string& option) {
     static const char* const names[] = {"damping", "factor_decay", "lr", "kl_clip", "factor_update_steps",
                                         "inv_update_steps", "accumulation_steps", "conv_patches",
-                                        "compute_eigenvalue_outer_product"};
+                                        "compute_eigenvalue_outer_product", "eigenbasis_reuse_tolerance"};
     for (const char* n : names)
         if (option == n) return true;
     return false;
+}
+
+/// What a file written before an option existed implicitly saved it as: the value that
+/// reproduces that library's behaviour (empty: the option is as old as the format).
+[[nodiscard]] inline std::string value_before_option_existed(const std::string& option) {
+    if (option == "eigenbasis_reuse_tolerance") return "0";  // exact decompositions
+    return {};
 }
 
 /// The container-level facts of a checkpoint, checked: ours, not newer than this library,

@@ -10,8 +10,10 @@
 ///   struct layer_data { factor_data a, g; ... };   // plus per-layer extras
 ///   struct workspace;                   // scratch reused between steps
 ///   // Second-order data of one factor from the running factor F (stored as `structure`
-///   // says, kfac/layers/layer_description.hpp); false keeps the old one.
-///   static bool compute_factor(const matrix& F, factor_structure, double damping, factor_data& out);
+///   // says, kfac/layers/layer_description.hpp); false keeps the old one. `previous` is
+///   // this rank's data of the factor so far (empty before its first computation).
+///   static bool compute_factor(const matrix& F, factor_structure, double damping, const options&,
+///                              const factor_data& previous, factor_data& out);
 ///   // Per-layer extras once both factors are current (e.g. the eigenvalue outer product).
 ///   static void finalize_layer(layer_data&, double damping, const options&);
 ///   // Pᵀ from Γᵀ (both A_dim × G_dim: the backend keeps gradients transposed) with the
@@ -37,6 +39,7 @@
 #include <utility>
 
 #include "kfac/backend/diagonal_factors.hpp"
+#include "kfac/backend/eigenbasis_reuse.hpp"
 #include "kfac/backend/unit_wise_factors.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/layers/layer_description.hpp"
@@ -72,6 +75,8 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         matrix blocks;  ///< unit-wise blocks (C × k(k+1)/2), their own decomposition
         bool diagonal = false;
         bool unit_wise = false;
+        /// q is the previous decomposition's, kept under options.eigenbasis_reuse_tolerance
+        bool reused_basis = false;
     };
     struct layer_data {
         factor_data a, g;
@@ -84,7 +89,8 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         matrix t1, t2;
     };
 
-    static bool compute_factor(const matrix& F, factor_structure structure, double /*damping*/, factor_data& out) {
+    static bool compute_factor(const matrix& F, factor_structure structure, double /*damping*/, const options& o,
+                               const factor_data& previous, factor_data& out) {
         factor_data next;
         next.diagonal = structure == factor_structure::diagonal;
         next.unit_wise = structure == factor_structure::unit_wise;
@@ -103,12 +109,32 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         if (next.diagonal) {
             if constexpr (backend_with_diagonal_factors<Backend>) Backend::diagonal_values(F, next.lambda);
             else return false;  // not reached: registration refuses the layer on such a backend
-        } else if (!Backend::symmetric_eigen(F, next.q, next.lambda)) {
+        } else if (!reuse_basis(F, o.eigenbasis_reuse_tolerance, previous, next) &&
+                   !Backend::symmetric_eigen(F, next.q, next.lambda)) {
             return false;
         }
         Backend::clamp_nonnegative(next.lambda);
         out = std::move(next);
         return true;
+    }
+
+    /// options.eigenbasis_reuse_tolerance: the previous eigenvectors with F's Rayleigh
+    /// quotients, when they diagonalise F to within the tolerance (false: decompose F).
+    static bool reuse_basis(const matrix& F, double tolerance, const factor_data& previous, factor_data& next) {
+        if constexpr (backend_with_eigenbasis_reuse<Backend>) {
+            if (tolerance <= 0.0 || previous.diagonal || previous.unit_wise || previous.q.rows() != F.rows() ||
+                previous.q.cols() != F.rows())
+                return false;
+            vector lambda;
+            if (!(Backend::rayleigh_quotients(F, previous.q, lambda) <= tolerance)) return false;  // NaN: decompose
+            next.q = previous.q;
+            next.lambda = std::move(lambda);
+            next.reused_basis = true;
+            return true;
+        } else {
+            (void)F, (void)tolerance, (void)previous, (void)next;
+            return false;  // not reached with a tolerance: the preconditioner refuses it on such a backend
+        }
     }
 
     static void finalize_layer(layer_data& l, double damping, const options& o) {

@@ -46,7 +46,8 @@ struct compute_impl<compute::inverse, Backend> {
         matrix t1;
     };
 
-    static bool compute_factor(const matrix& F, factor_structure structure, double damping, factor_data& out) {
+    static bool compute_factor(const matrix& F, factor_structure structure, double damping, const options&,
+                               const factor_data& /*previous*/, factor_data& out) {
         matrix next;
         const bool diagonal = structure == factor_structure::diagonal;
         const bool unit_wise = structure == factor_structure::unit_wise;

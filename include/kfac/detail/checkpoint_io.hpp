@@ -265,6 +265,13 @@ struct checkpoint_io {
             if (!checkpoint::shapes_the_numbers(option) || (o.allow_changed_options && !structural)) continue;
             const auto it = a.metadata.find(checkpoint::key::option_prefix + option);
             const std::string mine = item.value == "a schedule" ? "schedule" : item.value;
+            const std::string older = checkpoint::value_before_option_existed(option);
+            if (it == a.metadata.end() && !older.empty()) {
+                if (older == mine) continue;
+                throw error(where + "options." + option + " did not exist when it was saved (as if " + older +
+                            ") and is " + mine + " now; a resume is exact only with the same options. Set it to " +
+                            older + ", or load with load_options{.allow_changed_options = true}");
+            }
             if (it == a.metadata.end())
                 throw error(where + "the metadata entry 'option." + option + "' is missing (the file is corrupt)");
             if (it->second == mine) continue;
