@@ -177,15 +177,26 @@ inline void check_damping(double d, std::optional<std::int64_t> step = std::null
 /// The preconditioner divides by the damping in the factors' precision (1/(λ_G·λ_A + γ) for
 /// a zero eigenvalue, (F + γI)⁻¹ for a singular factor), so 1/γ must be finite there: a γ
 /// that underflows (1e-50 in float) would turn every gradient into 0 or Inf.
+/// Symmetrically, 1/γ must be a normal number there: a γ above 1/(smallest normal)
+/// (8.5e37 in float; FLT_MAX, or a double beyond it that rounds to Inf) would turn every
+/// preconditioned gradient into 0.
 template <class Scalar>
 void check_damping_representable(double d, std::optional<std::int64_t> step = std::nullopt) {
     const auto s = static_cast<Scalar>(d);
-    if (s > Scalar(0) && std::isfinite(Scalar(1) / s)) return;
     const char* type = sizeof(Scalar) == sizeof(float) ? "float" : "double";
-    throw error(option_text("damping", number_text(d), step) + " is too small for " + type +
-                ": the preconditioner divides by the damping, so 1/damping must be finite in " + type +
-                " (damping >= " + number_text(1.0 / static_cast<double>(std::numeric_limits<Scalar>::max())) +
-                "); use a larger damping (typical values are 1e-4 to 1e-1)");
+    if (std::isfinite(s) && s > Scalar(0) && std::isfinite(Scalar(1) / s) &&
+        Scalar(1) / s >= std::numeric_limits<Scalar>::min())
+        return;
+    if (!(s > Scalar(0)) || !std::isfinite(Scalar(1) / s))
+        throw error(option_text("damping", number_text(d), step) + " is too small for " + type +
+                    ": the preconditioner divides by the damping, so 1/damping must be finite in " + type +
+                    " (damping >= " + number_text(1.0 / static_cast<double>(std::numeric_limits<Scalar>::max())) +
+                    "); use a larger damping (typical values are 1e-4 to 1e-1)");
+    throw error(option_text("damping", number_text(d), step) + " is too large for " + type +
+                ": the preconditioner divides by the damping, so 1/damping must be a normal " + type +
+                " (damping <= " + number_text(1.0 / static_cast<double>(std::numeric_limits<Scalar>::min())) +
+                "), or every preconditioned gradient would be 0; use a smaller damping (typical values are 1e-4 "
+                "to 1e-1)");
 }
 
 inline void check_factor_decay(double d, std::optional<std::int64_t> step = std::nullopt) {
@@ -227,8 +238,15 @@ inline void validate(const options& o) {
     require(o.eigenbasis_reuse_tolerance >= 0.0 && o.eigenbasis_reuse_tolerance < 1.0,
             "options.eigenbasis_reuse_tolerance = " + detail::number_text(o.eigenbasis_reuse_tolerance) +
                 " is invalid: it must lie in [0, 1) (0: decompose exactly at every inverse update; try 0.05)");
-    require(o.threads >= 0, "options.threads = " + std::to_string(o.threads) +
-                                " is invalid: it must be >= 0 (0: from the environment)");
+    // The same bound as KFAC_NUM_THREADS: a pool far beyond the cores only costs thread starts.
+    require(o.threads >= 0 && o.threads <= 4096, "options.threads = " + std::to_string(o.threads) +
+                                                     " is invalid: it must lie in [0, 4096] (0: from the environment)");
+    require(o.strategy == distribution::kaisa || o.strategy == distribution::dp_kfac,
+            "options.strategy = " + std::to_string(static_cast<long long>(o.strategy)) +
+                " is not a kfac::distribution value: use distribution::kaisa or distribution::dp_kfac");
+    require(o.conv_patches == conv_patch_mode::reference || o.conv_patches == conv_patch_mode::dilated,
+            "options.conv_patches = " + std::to_string(static_cast<long long>(o.conv_patches)) +
+                " is not a kfac::conv_patch_mode value: use conv_patch_mode::reference or conv_patch_mode::dilated");
     // A cap beyond 2⁴⁰ MiB would overflow the byte count; no real bucket comes near it.
     require(std::isfinite(o.allreduce_bucket_cap_mb) && o.allreduce_bucket_cap_mb >= 0.0 &&
                 o.allreduce_bucket_cap_mb <= 1099511627776.0,

@@ -128,8 +128,9 @@ public:
     /// accumulation_steps = m, call it after each of the first m − 1 passes of a step; step()
     /// takes the last pass itself. Reads nothing on steps that do not update factors.
     /// Collective under a CommPolicy with several ranks.
-    /// @throws kfac::error on a view that disagrees with its layer, or when called m times;
-    ///         the preconditioner is then as it was before the call.
+    /// @throws kfac::error on a view that disagrees with its layer, when called m times, or
+    ///         when the host's adapter throws (raised on every rank); the preconditioner,
+    ///         the statistics of earlier passes included, is then as it was before the call.
     void accumulate() {
         setup();
         bool factor_update = false;
@@ -144,22 +145,27 @@ public:
                             "step() takes the last pass");
             check_statistics();
         });
+        if (options_.factor_update_steps.is_schedule())
+            check_items_agree({{"options.factor_update_steps at step " + std::to_string(steps_),
+                                factor_update ? "a factor update" : "no factor update"}},
+                              "the values of the scheduled options", schedule_fix);
+        const blas_threads_guard blas_threads(serial_blas_);
+        finish_pass(factor_update);
         if (factor_update) {
-            const blas_threads_guard blas_threads(serial_blas_);
-            capture_pass();
             for (auto& l : layers_) {
                 l.state.captured_rows = total_rows(l);
                 l.state.captured_applications = total_applications(l);
-                if (l.host.applications_now() != 0) applied_in_step_ = true;
+                if (l.scratch.applications != 0) applied_in_step_ = true;
             }
             ++passes_;
         }
-        end_pass();
     }
 
     /// One preconditioning step, the pipeline of K-FAC:
-    ///   plan     read every scheduled option and check every view (agreed by all ranks)
+    ///   plan     read every scheduled option and every view the host's adapter gives, and
+    ///            check them (agreed by all ranks, scheduled values included)
     ///   capture  this pass's factor statistics        (factor-update steps)
+    ///   end pass tell the host its pass was read      (agreed by all ranks)
     ///   update   running factors, averaged over ranks (factor-update steps)
     ///   decompose and share the second-order data     (inverse-update steps)
     ///   precondition every layer, share the results, agree on which are usable
@@ -169,8 +175,11 @@ public:
     /// With several ranks every rank must call it; a failure on any rank is raised on every
     /// rank, so none waits in a collective.
     /// @throws kfac::error on a view that disagrees with its layer, on missing activations
-    ///         on a factor-update step, or on a scheduled option out of range: all found
-    ///         before anything changes, so the preconditioner is as it was before the call.
+    ///         on a factor-update step, on a scheduled option out of range or differing
+    ///         across ranks, or when the host's adapter throws (in any of its members; the
+    ///         adapter is asked only before anything changes, and its end_pass() before the
+    ///         factors, the second-order data or the host's gradients change): all raised on
+    ///         every rank, with the preconditioner and the host's gradients as before the call.
     ///         A device or transport failure later in the step leaves it usable, with the
     ///         step not counted. An exception thrown by the on_non_finite callback propagates
     ///         after the step has completed and the gradients were written.
@@ -179,15 +188,12 @@ public:
         const detail::step_plan plan = read_plan();
         const blas_threads_guard blas_threads(serial_blas_);
         step_outcome outcome;
-        if (plan.factor_update) {
-            capture_pass();
-            update_factors(plan, outcome);
-        }
+        finish_pass(plan.factor_update);
+        if (plan.factor_update) update_factors(plan, outcome);
         if (plan.inverse_update) update_second_order(plan, outcome);
         precondition_all(plan, outcome);
         const double scale = kl_clip_scale(plan);
         write_back(scale);
-        end_pass();
         commit(plan, scale, std::move(outcome));
     }
 
@@ -233,11 +239,9 @@ public:
     void load(const std::filesystem::path& path, const checkpoint::load_options& o = {}) {
         std::string bytes;
         agree_on([&] {
-            if (comm_.rank() != 0) return;
-            std::ifstream in(path, std::ios::binary);
-            if (!in) throw error("checkpoint " + path.string() + ": cannot open it (does it exist, is it readable?)");
-            bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-            if (in.bad()) throw error("checkpoint " + path.string() + ": reading it failed");
+            // A folder, a device or a pipe is refused by its type, and every failure is a
+            // kfac::error naming the file (kfac/checkpoint/files.hpp), which every rank raises.
+            if (comm_.rank() == 0) bytes = checkpoint::read_bytes(path);
         });
         load_from(std::move(bytes), path.string(), o);
     }
@@ -250,7 +254,11 @@ public:
         std::string bytes;
         agree_on([&] {
             if (comm_.rank() != 0) return;
-            bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+            try {  // a stream with exceptions() set, or bytes beyond memory: named as load()'s
+                bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+            } catch (const std::exception& e) {
+                throw error(std::string("load(): reading the stream failed: ") + e.what());
+            }
             if (in.bad()) throw error("load(): reading the stream failed");
         });
         load_from(std::move(bytes), "(stream)", o);
@@ -550,9 +558,38 @@ private:
             }
             check_gradients();
         });
+        agree_on_scheduled_values(plan);
         agree_on_gradient_presence();
         return plan;
     }
+
+    [[nodiscard]] bool has_schedule() const {
+        const options& o = options_;
+        return o.damping.is_schedule() || o.factor_decay.is_schedule() || o.lr.is_schedule() ||
+               o.kl_clip.is_schedule() || o.factor_update_steps.is_schedule() || o.inv_update_steps.is_schedule();
+    }
+
+    /// A schedule is the host's code, and may return another value on some rank (from a
+    /// rank-local clock or random state, say): the values this step read must be the same on
+    /// every rank, or gradients would drift apart silently and the collectives of a factor
+    /// update made by some ranks only would never match. One allgather of a digest; free
+    /// without schedules (the constants are in the configuration every rank agreed on).
+    void agree_on_scheduled_values(const detail::step_plan& plan) {
+        if (!has_schedule()) return;
+        using detail::exact_number_text;
+        const std::string at = " at step " + std::to_string(plan.step);
+        std::vector<detail::config_item> items{
+            {"options.factor_update_steps" + at, plan.factor_update ? "a factor update" : "no factor update"},
+            {"options.inv_update_steps" + at, plan.inverse_update ? "an inverse update" : "no inverse update"},
+            {"options.damping" + at, exact_number_text(plan.damping)},
+            {"options.factor_decay" + at, exact_number_text(plan.factor_decay)},
+            {"options.kl_clip" + at, plan.kl_clip ? exact_number_text(*plan.kl_clip) : "none"},
+            {"options.lr" + at, exact_number_text(plan.lr)}};
+        check_items_agree(items, "the values of the scheduled options", schedule_fix);
+    }
+    static constexpr const char* schedule_fix =
+        "A schedule must return the same value on every rank: compute it from the step number and values every "
+        "rank shares, not from a rank's own clock or random state";
 
     /// A layer without a gradient on one rank must have none on every rank (which layers
     /// are preconditioned and shared is the same everywhere). One small allreduce, made only
@@ -574,20 +611,27 @@ private:
                             "layers in its forward pass (or the host must give the unused layer a zero gradient)");
     }
 
-    void check_statistics() const {
-        for (const auto& l : layers_)
-            if (l.role.holds_factors)
-                in_layer(l, [&] {
-                    const std::int64_t n = l.host.applications_now();
-                    if (n < 0)
-                        throw error(detail::describe_layer(l.host.name, l.host.description) + ": the adapter's "
-                                    "applications() returned " + std::to_string(n) + "; it counts calls of the layer "
-                                    "in the pass (0 when it was not called)");
-                    for (std::int64_t i = 0; i < n; ++i)
-                        detail::check_statistics_views(l.host.name, l.host.description, l.host.activations_of(i),
-                                                       l.host.output_gradients_of(i), steps_, device_backend,
-                                                       device_probe);
-                });
+    /// Reads the pass from the host's adapter (scratch.applications, .activations and
+    /// .output_gradients: capture_pass() asks the adapter nothing) and checks every view.
+    void check_statistics() {
+        for (auto& l : layers_)
+            in_layer(l, [&] {
+                auto& s = l.scratch;
+                s.activations.clear();
+                s.output_gradients.clear();
+                s.applications = l.host.applications_now();
+                if (!l.role.holds_factors) return;
+                if (s.applications < 0)
+                    throw error(detail::describe_layer(l.host.name, l.host.description) + ": the adapter's "
+                                "applications() returned " + std::to_string(s.applications) + "; it counts calls of "
+                                "the layer in the pass (0 when it was not called)");
+                for (std::int64_t i = 0; i < s.applications; ++i) {
+                    s.activations.push_back(l.host.activations_of(i));
+                    s.output_gradients.push_back(l.host.output_gradients_of(i));
+                    detail::check_statistics_views(l.host.name, l.host.description, s.activations.back(),
+                                                   s.output_gradients.back(), steps_, device_backend, device_probe);
+                }
+            });
     }
 
     /// A factor-update step in which no layer was applied at all has nothing to learn from:
@@ -596,7 +640,7 @@ private:
     void check_some_layer_applied() const {
         if (layers_.empty() || applied_in_step_) return;
         for (const auto& l : layers_)
-            if (l.host.applications_now() != 0) return;
+            if (l.scratch.applications != 0) return;
         throw error("factor-update step " + std::to_string(steps_) + ": no registered layer was applied in any pass "
                     "of the step (every adapter reported 0 applications), so there is nothing to update the factors "
                     "with; run the forward and backward passes before step() (kfac::torch's tracker sees only "
@@ -604,14 +648,19 @@ private:
                     "not while at::enableRecordFunction(false) is in force)");
     }
 
-    /// Marks the layers that have a gradient this step (scratch.active) and checks their views.
+    /// Marks the layers that have a gradient this step (scratch.active), reads their gradient
+    /// views (the record's group rows, into scratch: the step asks the adapter nothing later)
+    /// and checks them.
     void check_gradients() {
         for (auto& l : layers_)
             in_layer(l, [&] {
                 l.scratch.active = l.host.gradient_present();
                 if (!l.scratch.active) return;
-                detail::check_gradient_views(l.host.name, l.host.description, l.host.weight_gradient(l.host.layer),
-                                             l.host.bias_gradient(l.host.layer), device_backend, device_probe);
+                const auto w = l.host.weight_gradient(l.host.layer);
+                const auto b = l.host.bias_gradient(l.host.layer);
+                detail::check_gradient_views(l.host.name, l.host.description, w, b, device_backend, device_probe);
+                l.scratch.weight_gradient = detail::group_rows(w, l.host.group, l.host.description.groups());
+                l.scratch.bias_gradient = detail::group_rows(b, l.host.group, l.host.description.groups());
             });
     }
 
@@ -632,11 +681,15 @@ private:
     /// What every rank must agree on: the layers in order, then the options that shape the
     /// computation (a schedule is code; only its presence is compared).
     [[nodiscard]] std::vector<detail::config_item> configuration() const {
-        using detail::exact_number_text;
+        // −0 and 0 are one value of every option (the text of −0 would be "-0").
+        auto exact_number_text = [](double v) { return detail::exact_number_text(v + 0.0); };
         std::vector<detail::config_item> items;
         for (std::size_t i = 0; i < layers_.size(); ++i)
             items.push_back({"layer #" + std::to_string(i), detail::layer_signature(layers_[i].host.name, layers_[i].host.description)});
         items.push_back({"the scalar type", sizeof(scalar_type) == sizeof(float) ? "float" : "double"});
+        // Ranks of different methods or strategies would issue different collectives.
+        items.push_back({"the compute method", ComputeMethod::name});
+        items.push_back({"the assignment strategy", AssignmentStrategy::name});
         auto number = [&](const char* name, const hyperparameter<double>& h) {
             items.push_back({std::string("options.") + name, h.is_schedule() ? "a schedule" : exact_number_text(h(0))});
         };
@@ -668,13 +721,20 @@ private:
     /// configuration travels to every rank, and the first rank that differs names the first
     /// layer or option where it does. Collective.
     void check_configuration_agrees() {
-        const auto items = configuration();
+        check_items_agree(configuration(), detail::configuration_subject, detail::configuration_fix);
+    }
+
+    /// Ranks compare one digest of `items`; when they differ, rank 0's items travel to every
+    /// rank, and the first rank that differs names the first item where it does. `subject`
+    /// names the items in the message, `fix` says what to do. Collective.
+    void check_items_agree(const std::vector<detail::config_item>& items, const std::string& subject,
+                           const std::string& fix) {
         const auto digests = comm_.allgather(detail::configuration_digest(items));
         if (std::all_of(digests.begin(), digests.end(), [&](auto d) { return d == digests[0]; })) return;
         const auto reference = detail::deserialize(comm_.broadcast_text(detail::serialize(items), 0));
-        if (auto agreed = comm_.agree(detail::first_difference(reference, items, comm_.rank()))) throw error(*agreed);
-        throw error("ranks disagree on the registered layers or the options (their digests differ); register the "
-                    "same layers, in the same order, with the same shapes and options on every rank");
+        if (auto agreed = comm_.agree(detail::first_difference(reference, items, comm_.rank(), subject, fix)))
+            throw error(*agreed);
+        throw error("ranks disagree on " + subject + " (their digests differ). " + fix);
     }
 
     /// Once, at the first accumulate()/step(): checks that all ranks agree, places the
@@ -750,7 +810,7 @@ private:
         std::vector<detail::task> tasks;
         for (auto& l : layers_) {
             if (!l.role.holds_factors) continue;
-            const std::int64_t n = l.host.applications_now();
+            const std::int64_t n = l.scratch.applications;
             std::vector<tensor_view<const scalar_type>> a(static_cast<std::size_t>(n)), g(a.size());
             std::int64_t rows = 0;
             double a_elements = 0.0, g_elements = 0.0;
@@ -758,8 +818,8 @@ private:
             const std::int64_t groups = d.groups();
             l.scratch.group_channels.resize(groups > 1 ? 2 * a.size() : 0);
             for (std::size_t i = 0; i < a.size(); ++i) {
-                a[i] = detail::statistic_view(d, l.host.activations_of(static_cast<std::int64_t>(i)));
-                g[i] = detail::statistic_view(d, l.host.output_gradients_of(static_cast<std::int64_t>(i)));
+                a[i] = detail::statistic_view(d, l.scratch.activations[i]);
+                g[i] = detail::statistic_view(d, l.scratch.output_gradients[i]);
                 if (groups > 1) {
                     a[i] = detail::gather_group_channels(a[i], l.host.group, groups, l.scratch.group_channels[2 * i]);
                     g[i] = detail::gather_group_channels(g[i], l.host.group, groups, l.scratch.group_channels[2 * i + 1]);
@@ -826,7 +886,27 @@ private:
     /// per layer (a grouped convolution's records share their layer).
     void end_pass() {
         for (auto& l : layers_)
-            if (l.host.end_pass && l.host.group == 0) l.host.end_pass(l.host.layer);
+            if (l.host.end_pass && l.host.group == 0) in_layer(l, [&] { l.host.end_pass(l.host.layer); });
+    }
+
+    /// The last use of the host's pass: its statistics on a factor-update step, then
+    /// end_pass(), agreed by every rank. Both come before the factors, the second-order data
+    /// or the host's gradients change; if either fails (on any rank), the statistics that
+    /// accumulate() folded in before are put back, so a retry sees the step as it was.
+    void finish_pass(bool factor_update) {
+        std::vector<std::pair<matrix, matrix>> folded;  // a_sum, g_sum before this pass (accumulate() passes only)
+        if (factor_update && passes_ > 0)
+            for (const auto& l : layers_) folded.emplace_back(l.state.a_sum, l.state.g_sum);
+        try {
+            if (factor_update) capture_pass();
+            agree_on([&] { end_pass(); });
+        } catch (...) {
+            for (std::size_t i = 0; i < folded.size(); ++i) {
+                layers_[i].state.a_sum = std::move(folded[i].first);
+                layers_[i].state.g_sum = std::move(folded[i].second);
+            }
+            throw;
+        }
     }
 
     /// Running averages F ← ξF + (1 − ξ)F̂, F̂ the mean of the step's applications' batch
@@ -1037,27 +1117,21 @@ private:
         }
     }
 
-    /// The record's weight and bias gradient views: its group's rows of the layer's.
-    static tensor_view<scalar_type> weight_gradient_of(const layer_record& l) {
-        return detail::group_rows(l.host.weight_gradient(l.host.layer), l.host.group, l.host.description.groups());
-    }
-    static tensor_view<scalar_type> bias_gradient_of(const layer_record& l) {
-        return detail::group_rows(l.host.bias_gradient(l.host.layer), l.host.group, l.host.description.groups());
-    }
-    /// l.scratch.gamma ← Γᵀ (A_dim × G_dim) from the host's gradient views.
+    /// l.scratch.gamma ← Γᵀ (A_dim × G_dim) from the host's gradient views (read by
+    /// check_gradients(): the record's group rows of the layer's).
     static void load_gradient(layer_record& l) {
-        const auto w = as_const(weight_gradient_of(l));
+        const auto w = as_const(l.scratch.weight_gradient);
         if constexpr (detail::backend_with_diagonal_factors<Backend>)
             if (l.host.description.weight_is_in_by_out()) return Backend::load_gradient_transposed(l.scratch.gamma, w);
-        Backend::load_gradient(l.scratch.gamma, w, as_const(bias_gradient_of(l)));
+        Backend::load_gradient(l.scratch.gamma, w, as_const(l.scratch.bias_gradient));
     }
     /// The host's gradient views ← scale · Pᵀ, as load_gradient read them.
     static void store_gradient(layer_record& l, scalar_type scale) {
-        const auto w = weight_gradient_of(l);
+        const auto& w = l.scratch.weight_gradient;
         if constexpr (detail::backend_with_diagonal_factors<Backend>)
             if (l.host.description.weight_is_in_by_out())
                 return Backend::store_gradient_transposed(l.scratch.preconditioned, scale, w);
-        Backend::store_gradient(l.scratch.preconditioned, scale, w, bias_gradient_of(l));
+        Backend::store_gradient(l.scratch.preconditioned, scale, w, l.scratch.bias_gradient);
     }
 
     /// ν = min(1, √(κ / |η² Σ_layers ⟨P, Γ⟩|)), 1 without kl_clip or when the sum is 0.

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <string>
@@ -19,6 +20,7 @@
 #include <kfac/kfac.hpp>
 
 #include "unit/applied_layer.hpp"
+#include "unit/flaky_layer.hpp"
 #include "unit/test_util.hpp"
 
 using namespace kfac_test;
@@ -423,6 +425,10 @@ TEST_CASE("checkpoints: one file from every strategy, and failures raised on eve
     m.register_all(p);
     const std::string who = world > 1 ? "rank 0: " : "";
     CHECK_THROWS_WITH(p.load("no/such/folder/kfac.safetensors"), Contains(who + "checkpoint") && Contains("cannot open"));
+    // A folder is no checkpoint: a kfac::error naming it on rank 0, so every rank's names it
+    // too (a stream library's exception reached the other ranks as its text, without the path).
+    const std::string folder = std::filesystem::temp_directory_path().string();
+    CHECK_THROWS_WITH(p.load(folder), Contains(who + "checkpoint " + folder) && Contains("not a regular file"));
     CHECK_THROWS_WITH(p.save("no/such/folder/kfac.safetensors"), Contains(who + "checkpoint") && Contains("cannot create"));
     m.reset_gradients();
     p.step();  // still usable on every rank
@@ -847,4 +853,179 @@ TEST_CASE("eigenbasis reuse: every strategy equals one process, each factor deci
         CHECK(totals[0] == whole.eigenbasis_counts().reused);
         CHECK(totals[1] == whole.eigenbasis_counts().decomposed);
     }
+}
+
+// --- Issue 25: failures on one rank only, raised on every rank ----------------------------
+
+namespace {
+
+/// Two layers whose adapters throw on the last rank only (flaky_layer.hpp), the same data on
+/// every rank, every factor and inverse updated at every step.
+struct flaky_model {
+    flaky_layer first{4, 3, true}, second{3, 5, true};
+    mpi_kfac<> p;
+    flaky_model() : p(options(), kfac::comm::mpi()) {
+        p.register_layer("first", first);
+        p.register_layer("second", second);
+    }
+    static kfac::options options() {
+        kfac::options o;
+        o.damping = 0.01;
+        o.kl_clip = 0.001;
+        return o;
+    }
+    void step(std::uint32_t k) {
+        first.pass(10 * k + 1);
+        second.pass(10 * k + 101);
+        p.step();
+    }
+    [[nodiscard]] std::vector<double> state() const {
+        std::vector<double> v(first.inner.grad_weight);
+        for (const auto* w : {&first.inner.grad_bias, &second.inner.grad_weight, &second.inner.grad_bias})
+            v.insert(v.end(), w->begin(), w->end());
+        for (const char* name : {"first", "second"})
+            for (const auto* f : {&p.a_factor(name), &p.g_factor(name)}) v.insert(v.end(), f->data(), f->data() + f->size());
+        v.push_back(static_cast<double>(p.steps()));
+        return v;
+    }
+};
+
+bool on_every_rank(bool mine) {
+    int local = mine ? 1 : 0, all = 0;
+    MPI_Allreduce(&local, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    return all == 1;
+}
+bool on_some_rank(bool mine) {
+    int local = mine ? 1 : 0, any = 0;
+    MPI_Allreduce(&local, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return any == 1;
+}
+
+}  // namespace
+
+TEST_CASE("an adapter that throws on one rank only, at any call of a step, is an error on every rank", "[mpi][adapter]") {
+    // Before, a throw after the checked phase (the second activations() call, the gradients at
+    // write-back, end_pass()) hung the other ranks, aborted MPI, or left steps() different.
+    const bool failing_rank = world_rank() == world_size() - 1;
+    flaky_model reference;
+    for (std::uint32_t k = 0; k < 3; ++k) reference.step(k);
+    for (int m = 0; m < kfac_test::members; ++m) {
+        for (int after = 0;; ++after) {
+            INFO("the last rank's " << kfac_test::member_names[m] << " throws at its call " << after + 1 << " of step 1");
+            flaky_model x;
+            x.step(0);
+            x.first.pass(11);
+            x.second.pass(111);
+            if (failing_rank) {
+                x.second.fail = static_cast<kfac_test::member>(m);
+                x.second.after = after;
+            }
+            const auto before = x.state();
+            std::string message;
+            try {
+                x.p.step();
+            } catch (const std::exception& e) {  // alone (W = 1), the adapter's own exception
+                message = e.what();
+            }
+            const bool threw = !message.empty();
+            CHECK(on_every_rank(threw) == on_some_rank(threw));  // all or none
+            if (!on_some_rank(threw)) break;
+            CHECK_THAT(message, Contains("the host's " + std::string(kfac_test::member_names[m]) + " failed"));
+            CHECK(x.state() == before);
+            x.second.fail.reset();
+            x.first.pass(11);
+            x.second.pass(111);
+            x.p.step();
+            x.step(2);
+            CHECK(x.state() == reference.state());
+        }
+    }
+}
+
+TEST_CASE("ranks with another compute method or assignment strategy all raise the same error", "[mpi][mismatch]") {
+    // Before, the first step hung (or aborted in MPI_Waitall): the ranks issued different
+    // collectives.
+    if (world_size() == 1) return;
+    auto l = random_linear<double>(8, 6, 5, true, 5);
+    const std::string last = "rank " + std::to_string(world_size() - 1);
+    if (world_rank() == world_size() - 1) {
+        mpi_kfac<kfac::compute::inverse> p(kfac::options{}, kfac::comm::mpi());
+        p.register_layer("fc", l.view);
+        CHECK_THROWS_WITH(p.step(), Contains(last + " differs from rank 0 in the compute method: rank 0 has "
+                                                    "eigendecomposition, " + last + " has inverse"));
+    } else {
+        mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+        p.register_layer("fc", l.view);
+        CHECK_THROWS_WITH(p.step(), Contains("in the compute method"));
+    }
+    using memory_kfac = kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::mpi, kfac::compute::eigendecomposition,
+                                   kfac::assignment::memory_balanced>;
+    if (world_rank() == world_size() - 1) {
+        memory_kfac p(kfac::options{}, kfac::comm::mpi());
+        p.register_layer("fc", l.view);
+        CHECK_THROWS_WITH(p.step(), Contains(last + " differs from rank 0 in the assignment strategy: rank 0 has "
+                                                    "compute, " + last + " has memory"));
+    } else {
+        mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+        p.register_layer("fc", l.view);
+        CHECK_THROWS_WITH(p.step(), Contains("in the assignment strategy"));
+    }
+}
+
+TEST_CASE("a schedule with another value on one rank is an error on every rank, at the step it differs",
+          "[mpi][agreement]") {
+    // Before, the gradients drifted apart silently (a damping), or the ranks issued different
+    // collectives (a factor-update interval).
+    if (world_size() == 1) return;
+    const bool odd = world_rank() == world_size() - 1;
+    const std::string last = "rank " + std::to_string(world_size() - 1);
+    {
+        model m;
+        kfac::options o;
+        o.damping = [odd](std::int64_t k) { return k == 1 && odd ? 0.002 : 0.001; };
+        mpi_kfac<> p(o, kfac::comm::mpi());
+        m.register_all(p);
+        p.step();
+        m.reset_gradients();
+        const auto before = m.layers[0].grad_weight;
+        CHECK_THROWS_WITH(p.step(), Contains("ranks disagree on the values of the scheduled options: " + last +
+                                             " differs from rank 0 in options.damping at step 1: rank 0 has 0.001, " +
+                                             last + " has 0.002") &&
+                                        Contains("must return the same value on every rank"));
+        CHECK(p.steps() == 1);
+        CHECK(m.layers[0].grad_weight == before);
+    }
+    {
+        model m;
+        kfac::options o;
+        o.factor_update_steps = [odd](std::int64_t k) { return std::int64_t{k == 1 && odd ? 2 : 1}; };
+        mpi_kfac<> p(o, kfac::comm::mpi());
+        m.register_all(p);
+        p.step();
+        CHECK_THROWS_WITH(p.step(), Contains("options.factor_update_steps at step 1: rank 0 has a factor update, " + last +
+                                             " has no factor update"));
+        CHECK(p.steps() == 1);
+    }
+    {
+        // accumulate() reads the interval too.
+        model m;
+        kfac::options o;
+        o.accumulation_steps = 2;
+        o.factor_update_steps = [odd](std::int64_t k) { return std::int64_t{k == 1 && odd ? 2 : 1}; };
+        mpi_kfac<> p(o, kfac::comm::mpi());
+        m.register_all(p);
+        p.accumulate();
+        p.step();
+        CHECK_THROWS_WITH(p.accumulate(), Contains("options.factor_update_steps at step 1"));
+    }
+}
+
+TEST_CASE("-0 and 0 are one value of an option across ranks", "[mpi][agreement]") {
+    if (world_size() == 1) return;
+    model m;
+    kfac::options o;
+    o.eigenbasis_reuse_tolerance = world_rank() == 0 ? 0.0 : -0.0;
+    mpi_kfac<> p(o, kfac::comm::mpi());
+    m.register_all(p);
+    CHECK_NOTHROW(p.step());
 }

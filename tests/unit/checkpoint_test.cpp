@@ -5,12 +5,18 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
+
+#include <unistd.h>
 
 #include <kfac/checkpoint/format.hpp>
 #include <kfac/kfac.hpp>
@@ -202,7 +208,7 @@ struct saved_run {
 
 /// The bytes of `a` with its checksum recomputed: a well-formed file with other content.
 std::string reseal(kfac::checkpoint::archive a) {
-    a.metadata[kfac::checkpoint::key::checksum] = kfac::checkpoint::hex64(kfac::checkpoint::data_checksum(a.tensors));
+    kfac::checkpoint::seal(a);
     return kfac::checkpoint::serialize(a);
 }
 
@@ -308,7 +314,7 @@ TEST_CASE("corrupt, truncated and foreign files are refused and change nothing",
     auto a = kfac::checkpoint::parse(run.bytes, "test");
     auto newer = a;
     newer.metadata["format_version"] = std::to_string(kfac::checkpoint::format_version + 1);
-    t.require_load_fails(reseal(newer), {"format version 2", "newer"});
+    t.require_load_fails(reseal(newer), {"format version " + std::to_string(kfac::checkpoint::format_version + 1), "newer"});
     auto foreign = a;
     foreign.metadata.erase("format");
     t.require_load_fails(reseal(foreign), {"'format' is missing"});
@@ -534,4 +540,309 @@ TEST_CASE("Conv1d and reduce layers resume bitwise, and refuse the other weight 
     expand.register_layer("seq", s3.view);
     CHECK_THROWS_WITH(expand.load_bytes(bytes), Catch::Contains("weight sharing reduce"));
     CHECK(expand.steps() == 0);
+}
+
+// --- integrity (issue 25): the metadata and header are checksummed, every loaded value is
+// checked, the temporary file is created exclusively, and reading errors name the file.
+
+namespace {
+
+/// `bytes` with one bit of metadata entry `key`'s value flipped, at character `at` of the
+/// value: the damage a disk or a copy does, which leaves the data and the checksum intact.
+std::string flip_metadata_bit(std::string bytes, const std::string& key, std::size_t at, int mask) {
+    const std::string pattern = "\"" + key + "\":\"";
+    const auto pos = bytes.find(pattern);
+    REQUIRE(pos != std::string::npos);
+    bytes[pos + pattern.size() + at] = static_cast<char>(bytes[pos + pattern.size() + at] ^ mask);
+    return bytes;
+}
+
+/// `a` with element `index` (C order) of tensor `name` set to `value` (F64 tensors).
+kfac::checkpoint::archive with_element(kfac::checkpoint::archive a, const std::string& name, std::size_t index, double value) {
+    for (auto& t : a.tensors)
+        if (t.name == name) {
+            REQUIRE(t.type == kfac::checkpoint::dtype::f64);
+            REQUIRE((index + 1) * sizeof(double) <= t.bytes.size());
+            std::memcpy(t.bytes.data() + index * sizeof(double), &value, sizeof value);
+            return a;
+        }
+    FAIL("no tensor " << name);
+    return a;
+}
+
+double element(const kfac::checkpoint::archive& a, const std::string& name, std::size_t index) {
+    const auto* t = a.find(name);
+    REQUIRE(t != nullptr);
+    return t->values<double>().at(index);
+}
+
+/// A fresh folder under the system's temporary one, removed at the end of the test.
+struct scratch_folder {
+    std::filesystem::path path;
+    explicit scratch_folder(const std::string& name)
+        : path(std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid()))) {
+        std::filesystem::remove_all(path);
+        std::filesystem::create_directories(path);
+    }
+    ~scratch_folder() {
+        std::error_code ignored;
+        std::filesystem::remove_all(path, ignored);
+    }
+};
+
+std::string file_text(const std::filesystem::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+}  // namespace
+
+TEST_CASE("a bit flipped in the metadata or the header is refused: the checksum covers them", "[checkpoint][integrity]") {
+    saved_run run;  // 4 steps
+    target t;
+    // Each flip leaves a well-formed file whose data (and data checksum) is unchanged; the
+    // data-only checksum loaded every one of them as a different state (step 4 as 5 or 0,
+    // other health counters, another damping, another saved lr under allow_changed_options).
+    const std::tuple<const char*, std::size_t, int> flips[] = {
+        {"step", 0, 0x01},                        // "4" -> "5"
+        {"step", 0, 0x04},                        // "4" -> "0"
+        {"health.kept_decompositions", 0, 0x01},  // "0" -> "1"
+        {"health.zeroed_gradients", 0, 0x02},     // "0" -> "2"
+        {"second_order_damping", 4, 0x04},        // "0.003" -> "0.007"
+        {"saved_strategy", 0, 0x20},              // a letter's case
+        {"library_version", 0, 0x01},             // "0.1.0" -> "1.1.0"
+        {"option.lr", 2, 0x02},                   // "0.1" -> "0.3"
+        {"format_version", 0, 0x02},              // claims an older version than it has
+    };
+    for (const auto& [key, at, mask] : flips) {
+        INFO("metadata '" << key << "', character " << at << ", bit mask " << mask);
+        t.require_load_fails(flip_metadata_bit(run.bytes, key, at, mask), {"(bytes in memory)", "checksum", "corrupted"},
+                             {.allow_changed_options = true});
+    }
+    // Two tensors of the same shape and dtype renamed into each other: the data section and
+    // its checksum are unchanged, but fc1's G would load as fc2's A.
+    auto swapped = kfac::checkpoint::parse(run.bytes, "test");
+    REQUIRE(swapped.find("fc1.G")->shape == swapped.find("fc2.A")->shape);
+    for (auto& x : swapped.tensors) {
+        if (x.name == "fc1.G") x.name = "fc2.A";
+        else if (x.name == "fc2.A") x.name = "fc1.G";
+    }
+    t.require_load_fails(kfac::checkpoint::serialize(swapped), {"checksum", "corrupted"});
+}
+
+TEST_CASE("a checkpoint of format version 1 (data-only checksum) still loads", "[checkpoint][integrity]") {
+    saved_run run;
+    // What kfac 0.1.0 wrote before the checksum covered the metadata: version 1, no scope
+    // entry, the checksum of the data alone.
+    auto a = kfac::checkpoint::parse(run.bytes, "test");
+    a.metadata.erase("checksum_scope");
+    a.metadata["format_version"] = "1";
+    a.metadata["checksum"] = kfac::checkpoint::hex64(kfac::checkpoint::data_checksum(a.tensors));
+    const std::string old_bytes = kfac::checkpoint::serialize(a);
+    target t;
+    t.p.load_bytes(old_bytes);
+    CHECK(t.p.steps() == 4);
+    for (const char* name : {"fc1", "fc2", "conv"}) {
+        CHECK(t.p.a_factor(name) == run.p.a_factor(name));
+        CHECK(t.p.g_factor(name) == run.p.g_factor(name));
+    }
+    // Its data is still checked against the checksum, the old way.
+    std::string flipped = old_bytes;
+    flipped[flipped.size() - 3] ^= 0x10;
+    target u;
+    u.require_load_fails(flipped, {"checksum", "corrupted"});
+}
+
+TEST_CASE("loaded metadata is checked as the options are", "[checkpoint][integrity]") {
+    saved_run run;
+    target t;
+    const auto a = kfac::checkpoint::parse(run.bytes, "test");
+    // Each file below is well-formed and correctly sealed: only the checks of the values stop it.
+    for (const char* damping : {"nan", "inf", "-inf", "-1", "0", "-0"}) {
+        INFO("second_order_damping = " << damping);
+        auto bad = a;
+        bad.metadata["second_order_damping"] = damping;
+        t.require_load_fails(reseal(bad), {"(bytes in memory)", std::string("'second_order_damping' = '") + damping + "'",
+                                           "finite and > 0", "corrupt"});
+    }
+    auto negative_health = a;
+    negative_health.metadata["health.skipped_factor_updates"] = "-1";
+    t.require_load_fails(reseal(negative_health), {"'health.skipped_factor_updates' = '-1'", "non-negative"});
+    auto step_zero = a;  // step 0 has no second-order data yet
+    step_zero.metadata["step"] = "0";
+    t.require_load_fails(reseal(step_zero), {"'step' = '0'", "'second_order' = 'included'", "corrupt"});
+    auto none_yet = a;
+    none_yet.metadata["second_order"] = "none yet";
+    t.require_load_fails(reseal(none_yet), {"'step' = '4'", "'second_order' = 'none yet'", "corrupt"});
+    auto layer_count = a;
+    layer_count.metadata["layers"] = "2";
+    t.require_load_fails(reseal(layer_count), {"'layers' = '2'", "3 layer entries", "corrupt"});
+    // A damping valid in double but whose inverse overflows float: as options.damping would be.
+    using P32 = precond_t<kfac::backend::cpu_eigen<float>, kfac::compute::eigendecomposition>;
+    auto tiny = a;
+    tiny.metadata["second_order_damping"] = "1e-50";
+    model<float> m;
+    P32 p(resume_options(1));
+    m.register_with(p);
+    check_load_error(p, reseal(tiny), {"'second_order_damping' = '1e-50'", "too small for float"},
+                     {.recompute_second_order = true});
+    CHECK(p.steps() == 0);
+}
+
+TEST_CASE("a factor that is no covariance, or non-finite second-order data, is refused", "[checkpoint][integrity]") {
+    saved_run run;
+    target t;
+    const auto a = kfac::checkpoint::parse(run.bytes, "test");
+    const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+    // fc1.A is 6 x 6: (1, 2) is element 8, (2, 1) element 13, (0, 1) element 1; fc2.G is 3 x 3,
+    // (1, 1) element 4.
+    t.require_load_fails(reseal(with_element(with_element(a, "fc1.A", 8, nan), "fc1.A", 13, nan)),
+                         {"(bytes in memory)", "layer 'fc1'", "'fc1.A'", "nan", "corrupt"});
+    t.require_load_fails(reseal(with_element(a, "conv.A", 0, inf)), {"layer 'conv'", "'conv.A'", "inf"});
+    // Save writes the factors exactly symmetric (each update mirrors the statistic's lower
+    // triangle, then applies the same formula to (i, j) and (j, i)), so one unit in the last
+    // place of difference is already not a file save() wrote.
+    const double a01 = element(a, "fc1.A", 1);
+    t.require_load_fails(reseal(with_element(a, "fc1.A", 1, std::nextafter(a01, inf))),
+                         {"layer 'fc1'", "'fc1.A'", "(0, 1)", "(1, 0)", "not symmetric"});
+    const double g11 = element(a, "fc2.G", 4);
+    REQUIRE(g11 > 0.0);
+    t.require_load_fails(reseal(with_element(a, "fc2.G", 4, -g11)), {"layer 'fc2'", "'fc2.G'", "(1, 1)", "negative"});
+    // Refused also when the second-order data is recomputed: the factors are what is loaded.
+    t.require_load_fails(reseal(with_element(a, "fc2.G", 4, -g11)), {"'fc2.G'", "negative"},
+                         {.recompute_second_order = true});
+    t.require_load_fails(reseal(with_element(a, "fc1.A.eigenvectors", 7, nan)),
+                         {"layer 'fc1'", "'fc1.A.eigenvectors'", "nan"});
+    t.require_load_fails(reseal(with_element(a, "conv.eigenvalue_product_inverse", 3, -inf)),
+                         {"layer 'conv'", "'conv.eigenvalue_product_inverse'", "-inf"});
+    // The untouched file still loads.
+    t.p.load_bytes(reseal(a));
+    CHECK(t.p.steps() == 4);
+}
+
+TEST_CASE("diagonal and unit-wise factors are checked as what they store", "[checkpoint][integrity][embedding][norm]") {
+    using T = double;
+    const std::int64_t tokens = 7, vocabulary = 5, width = 2;
+    owned_layer<T> emb, ln, bn;
+    emb.view.description = kfac::embedding_description(vocabulary, width);
+    emb.input = {0, 1, 2, 3, 4, 1, 2};
+    emb.input_shape = {tokens};
+    emb.grad_output = kfac_test::random_vector<T>(tokens * width, 5);
+    emb.output_shape = {tokens, width};
+    emb.grad_weight = kfac_test::random_vector<T>(vocabulary * width, 6);
+    auto norm = [](owned_layer<T>& l, const kfac::layer_description& d, std::vector<std::int64_t> shape, std::uint32_t seed) {
+        l.view.description = d;
+        std::int64_t size = 1;
+        for (auto e : shape) size *= e;
+        l.input = kfac_test::random_vector<T>(static_cast<std::size_t>(size), seed);
+        l.grad_output = kfac_test::random_vector<T>(static_cast<std::size_t>(size), seed + 1, 0.1);
+        l.grad_weight = kfac_test::random_vector<T>(static_cast<std::size_t>(d.out), seed + 2);
+        l.grad_bias = kfac_test::random_vector<T>(static_cast<std::size_t>(d.out), seed + 3);
+        l.input_shape = l.output_shape = std::move(shape);
+    };
+    norm(ln, kfac::layer_norm_description(3, true), {2, 4, 3}, 10);
+    norm(bn, kfac::batch_norm_description(2, false), {3, 2, 2, 2}, 20);
+    auto make = [&] {
+        auto p = std::make_unique<P64>(resume_options(1));
+        for (auto* l : {&emb, &ln, &bn}) l->bind();
+        p->register_layer("emb", emb.view);
+        p->register_layer("ln", ln.view);
+        p->register_layer("bn", bn.view);
+        return p;
+    };
+    auto saved = make();
+    saved->step();
+    saved->step();
+    const auto a = kfac::checkpoint::parse(saved->save_bytes(), "test");
+    REQUIRE(a.find("emb.A")->shape == std::vector<std::int64_t>{vocabulary});
+    REQUIRE(a.find("ln.A")->shape == std::vector<std::int64_t>{3, 3});  // per channel (γγ, γβ, ββ)
+    REQUIRE(a.find("bn.A")->shape == std::vector<std::int64_t>{2, 1});  // per channel γγ
+    auto fresh = make();
+    auto refused = [&](const kfac::checkpoint::archive& bad, const std::vector<std::string>& phrases) {
+        check_load_error(*fresh, reseal(bad), phrases);
+        CHECK(fresh->steps() == 0);
+    };
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    // The Embedding's A is the diagonal (token counts): every entry a diagonal entry.
+    refused(with_element(a, "emb.A", 2, -1.0), {"layer 'emb'", "'emb.A'", "negative"});
+    refused(with_element(a, "emb.A", 4, nan), {"'emb.A'", "nan"});
+    // A norm layer's blocks: columns 0 and 2 are each block's diagonal, column 1 its
+    // off-diagonal, which may be negative. Row 1 of ln.A is elements 3, 4, 5.
+    refused(with_element(a, "ln.A", 3, -element(a, "ln.A", 3) - 1.0), {"layer 'ln'", "'ln.A'", "negative"});
+    refused(with_element(a, "ln.A", 5, -element(a, "ln.A", 5) - 1.0), {"'ln.A'", "negative"});
+    refused(with_element(a, "ln.A", 4, nan), {"'ln.A'", "nan"});
+    refused(with_element(a, "bn.A", 1, -0.5), {"layer 'bn'", "'bn.A'", "negative"});
+    const double off_diagonal = element(a, "ln.A", 4);
+    fresh->load_bytes(reseal(with_element(a, "ln.A", 4, off_diagonal > 0 ? -off_diagonal : off_diagonal)));
+    CHECK(fresh->steps() == 2);
+}
+
+TEST_CASE("save does not follow a link left at a temporary file's name", "[checkpoint][integrity]") {
+    saved_run run;
+    scratch_folder dir("kfac_checkpoint_link_test");
+    const auto victim = dir.path / "victim.txt";
+    std::ofstream(victim) << "precious";
+    const auto path = dir.path / "run.safetensors";
+    // The old fixed name, and the first names the exclusive scheme tries (FILE.tmp.<pid>.<n>):
+    // none may be written through.
+    std::vector<std::filesystem::path> links = {dir.path / "run.safetensors.tmp"};
+    for (int n = 0; n < 3; ++n)
+        links.push_back(dir.path / ("run.safetensors.tmp." + std::to_string(::getpid()) + "." + std::to_string(n)));
+    for (const auto& link : links) std::filesystem::create_symlink(victim, link);
+    run.p.save(path);
+    CHECK(file_text(victim) == "precious");
+    for (const auto& link : links) CHECK(std::filesystem::is_symlink(link));
+    CHECK_FALSE(std::filesystem::is_symlink(path));
+    target t;
+    t.p.load(path);
+    CHECK(t.p.steps() == 4);
+    CHECK(t.p.a_factor("conv") == run.p.a_factor("conv"));
+    // Nothing else was left behind: the victim, the links and the checkpoint.
+    std::size_t entries = 0;
+    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir.path)) ++entries;
+    CHECK(entries == 1 + links.size() + 1);
+}
+
+TEST_CASE("load of a folder or a device is a kfac::error naming it", "[checkpoint][integrity]") {
+    target t;
+    scratch_folder dir("kfac_checkpoint_folder_test");
+    auto refused = [&](const std::filesystem::path& p) {
+        try {
+            t.p.load(p);
+            FAIL("loading " << p << " succeeded");
+        } catch (const kfac::error& e) {
+            CHECK_THAT(e.what(), Catch::Contains("checkpoint " + p.string()) && Catch::Contains("not a regular file"));
+        }
+        CHECK(t.p.steps() == 1);
+    };
+    refused(dir.path);
+    if (std::filesystem::exists("/dev/zero")) refused("/dev/zero");  // endless: would read until memory ran out
+}
+
+TEST_CASE("an option saved as 0 loads where it is -0, and the other way", "[checkpoint][eigenbasis_reuse]") {
+    for (const double saved_value : {0.0, -0.0}) {
+        INFO("saved with eigenbasis_reuse_tolerance = " << saved_value);
+        auto o = resume_options(1);
+        o.eigenbasis_reuse_tolerance = saved_value;
+        model<double> m;
+        P64 saved(o);
+        m.register_with(saved);
+        std::vector<std::vector<double>> grads;
+        m.run(saved, 0, 2, 1, grads);
+        const std::string bytes = saved.save_bytes();
+        o.eigenbasis_reuse_tolerance = -saved_value;
+        model<double> m2;
+        P64 other(o);
+        m2.register_with(other);
+        CHECK_NOTHROW(other.load_bytes(bytes));
+        CHECK(other.steps() == 2);
+        // A file from before the option existed counts as 0: -0 loads it too.
+        auto older = kfac::checkpoint::parse(bytes, "test");
+        REQUIRE(older.metadata.erase("option.eigenbasis_reuse_tolerance") == 1);
+        model<double> m3;
+        P64 third(o);
+        m3.register_with(third);
+        CHECK_NOTHROW(third.load_bytes(reseal(older)));
+        CHECK(third.steps() == 2);
+    }
 }

@@ -6,10 +6,14 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <kfac/checkpoint/files.hpp>
 #include <kfac/checkpoint/safetensors.hpp>
 
 using Catch::Contains;
@@ -136,7 +140,8 @@ TEST_CASE("files are written through a temporary and a rename", "[checkpoint][sa
     const auto path = dir / "state.safetensors";
     ck::write_file(path, sample());
     CHECK(std::filesystem::exists(path));
-    CHECK_FALSE(std::filesystem::exists(dir / "state.safetensors.tmp"));
+    // No temporary is left behind: the folder holds the file alone.
+    CHECK(std::distance(std::filesystem::directory_iterator(dir), std::filesystem::directory_iterator()) == 1);
     CHECK(ck::read_file(path).metadata.at("format_version") == "1");
     // Overwriting replaces the whole file.
     ck::archive small;
@@ -145,5 +150,66 @@ TEST_CASE("files are written through a temporary and a rename", "[checkpoint][sa
     CHECK(ck::read_file(path).tensors.empty());
     CHECK_THROWS_WITH(ck::write_file(dir / "missing" / "x.safetensors", small), Contains("missing") && Contains("cannot create"));
     CHECK_THROWS_WITH(ck::read_file(dir / "absent.safetensors"), Contains("absent.safetensors") && Contains("cannot open"));
+    std::filesystem::remove_all(dir);
+}
+
+namespace {
+
+std::string file_text(const std::filesystem::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+std::size_t entries(const std::filesystem::path& dir) {
+    return static_cast<std::size_t>(std::distance(std::filesystem::directory_iterator(dir), std::filesystem::directory_iterator()));
+}
+
+}  // namespace
+
+TEST_CASE("the temporary file is created exclusively: links and stale files at its names are left alone",
+          "[checkpoint][safetensors][integrity]") {
+    const auto dir = std::filesystem::temp_directory_path() / ("kfac_safetensors_tmp_test_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    const auto path = dir / "state.safetensors";
+    const auto victim = dir / "victim.txt";
+    std::ofstream(victim) << "precious";
+    // The old fixed name and the first names of the scheme (FILE.tmp.<pid>.<n>), which a
+    // local user can predict: links to the victim, and a stale temporary of a crashed save.
+    const std::string stem = "state.safetensors.tmp." + std::to_string(::getpid()) + ".";
+    std::filesystem::create_symlink(victim, dir / "state.safetensors.tmp");
+    std::filesystem::create_symlink(victim, dir / (stem + "0"));
+    std::filesystem::create_symlink(dir / "nowhere", dir / (stem + "1"));  // dangling: creating through it would make the target
+    std::ofstream(dir / (stem + "2")) << "stale";
+    ck::write_file(path, sample());
+    CHECK(file_text(victim) == "precious");
+    CHECK(std::filesystem::is_symlink(dir / "state.safetensors.tmp"));
+    CHECK(std::filesystem::is_symlink(dir / (stem + "0")));
+    CHECK(std::filesystem::is_symlink(dir / (stem + "1")));
+    CHECK_FALSE(std::filesystem::exists(dir / "nowhere"));
+    CHECK(file_text(dir / (stem + "2")) == "stale");
+    CHECK_FALSE(std::filesystem::is_symlink(path));
+    CHECK(ck::read_file(path).metadata == sample().metadata);
+    CHECK(entries(dir) == 6);  // the victim, 3 links, the stale file, the written file
+    // A rename that fails (the target is a folder) removes the temporary it wrote.
+    const auto folder = dir / "taken";
+    std::filesystem::create_directories(folder / "inside");
+    CHECK_THROWS_WITH(ck::write_file(folder, sample()), Contains("taken") && Contains("rename"));
+    CHECK(entries(dir) == 7);
+    std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("reading a folder, a device or a pipe is an error naming it", "[checkpoint][safetensors][integrity]") {
+    const auto dir = std::filesystem::temp_directory_path() / ("kfac_safetensors_read_test_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    CHECK_THROWS_WITH(ck::read_file(dir), Contains("checkpoint " + dir.string()) && Contains("not a regular file") &&
+                                              Contains("a folder"));
+    if (std::filesystem::exists("/dev/zero"))  // endless: read to its end, it exhausts memory
+        CHECK_THROWS_WITH(ck::read_file("/dev/zero"), Contains("checkpoint /dev/zero") && Contains("not a regular file"));
+    // Opening a pipe for reading waits for a writer: refused before it is opened.
+    const auto fifo = dir / "pipe";
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    CHECK_THROWS_WITH(ck::read_file(fifo), Contains(fifo.string()) && Contains("not a regular file"));
     std::filesystem::remove_all(dir);
 }

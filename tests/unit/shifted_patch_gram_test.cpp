@@ -3,7 +3,7 @@
 // shifted_patch_gram.hpp) against the definition: Σ over every patch of x̃ x̃ᵀ, the patch
 // built tap by tap with zero padding, as loops. Geometries are drawn at random (kernels 1–4,
 // padding 0–3, dilation 1–3 in both patch modes, images down to one pixel), so that every
-// border case of the inclusion–exclusion is reached: windows that lose rows and columns at
+// border case of the cell decomposition is reached: windows that lose rows and columns at
 // either side, offsets with no pixel pair inside the image, taps that never see the image.
 #include <catch2/catch.hpp>
 
@@ -27,6 +27,23 @@ struct conv_input {
     kfac::conv_patch_mode mode;
 };
 
+/// The patch at grid position (i, j) of image s, tap by tap with zero padding, in type R.
+template <class R, class T>
+void fill_patch(std::vector<R>& patch, const std::vector<T>& x, const conv_input& in, const kfac::patch_grid& grid,
+                idx_t s, idx_t i, idx_t j) {
+    const idx_t kh = in.g.kernel[0], kw = in.g.kernel[1];
+    patch.resize(static_cast<std::size_t>(in.c * kh * kw));
+    for (idx_t c = 0; c < in.c; ++c)
+        for (idx_t u = 0; u < kh; ++u)
+            for (idx_t v = 0; v < kw; ++v) {
+                const idx_t r = i * in.g.stride[0] + u * grid.dil_h - in.g.padding[0];
+                const idx_t q = j * in.g.stride[1] + v * grid.dil_w - in.g.padding[1];
+                const bool inside = r >= 0 && r < in.h && q >= 0 && q < in.w;
+                patch[static_cast<std::size_t>((c * kh + u) * kw + v)] =
+                    inside ? static_cast<R>(x[static_cast<std::size_t>(((s * in.c + c) * in.h + r) * in.w + q)]) : R(0);
+            }
+}
+
 /// Σ_patches x̃ x̃ᵀ (full K × K, column-major) and Σ_patches x̃, from the definition.
 struct patch_moments {
     std::vector<double> gram, sums;
@@ -41,20 +58,11 @@ patch_moments moments_by_definition(const std::vector<T>& x, const conv_input& i
     m.gram.assign(static_cast<std::size_t>(k * k), 0.0);
     m.sums.assign(static_cast<std::size_t>(k), 0.0);
     for (const T v : x) m.max_abs_input = std::max(m.max_abs_input, std::abs(static_cast<double>(v)));
-    std::vector<double> patch(static_cast<std::size_t>(k));
+    std::vector<double> patch;
     for (idx_t s = 0; s < in.n; ++s)
         for (idx_t i = 0; i < grid.rows; ++i)
             for (idx_t j = 0; j < grid.cols; ++j) {
-                for (idx_t c = 0; c < in.c; ++c)
-                    for (idx_t u = 0; u < kh; ++u)
-                        for (idx_t v = 0; v < kw; ++v) {
-                            const idx_t r = i * in.g.stride[0] + u * grid.dil_h - in.g.padding[0];
-                            const idx_t q = j * in.g.stride[1] + v * grid.dil_w - in.g.padding[1];
-                            const bool inside = r >= 0 && r < in.h && q >= 0 && q < in.w;
-                            patch[static_cast<std::size_t>((c * kh + u) * kw + v)] =
-                                inside ? static_cast<double>(x[static_cast<std::size_t>(((s * in.c + c) * in.h + r) * in.w + q)])
-                                       : 0.0;
-                        }
+                fill_patch(patch, x, in, grid, s, i, j);
                 for (idx_t a = 0; a < k; ++a) {
                     m.sums[static_cast<std::size_t>(a)] += patch[static_cast<std::size_t>(a)];
                     for (idx_t b = 0; b < k; ++b)
@@ -116,11 +124,11 @@ TEST_CASE("shift-structured patch Gram equals the definition over random stride-
         const auto x = random_vector<double>(static_cast<std::size_t>(in.n * in.c * in.h * in.w),
                                              100 + static_cast<std::uint32_t>(trial));
         const patch_moments m = moments_by_definition(x, in);
-        // Each block is full(Δ) − border rows − border columns + corners: at most 4 sums of at
-        // most n = N·H·W products, each of size ≤ max|x|². Recursive summation of n terms errs
-        // by ≤ n·u·Σ|terms| ≤ n²·u·max|x|², so the block errs by ≤ 4·n²·u·max|x|² (loose, but
-        // a wrong border term is of the size of the terms themselves); α = 0.5 scales it and
-        // β·old = 2·3 adds one rounding. The sums of patch elements: n terms of ≤ max|x|.
+        // Each entry is a sum of at most n = N·H·W products, each of size ≤ max|x|², in some
+        // order: it errs by ≤ n·u·Σ|terms| ≤ n²·u·max|x|²; 4× that is loose, but a missing or
+        // doubled term is of the size of the terms themselves (the adversarial cases below
+        // bound each entry by its own magnitudes); α = 0.5 scales it and β·old = 2·3 adds one
+        // rounding. The sums of patch elements: n terms of ≤ max|x|.
         const double u = std::numeric_limits<double>::epsilon() / 2;
         const auto n = static_cast<double>(in.n * in.h * in.w);
         const double scale = m.max_abs_input * m.max_abs_input;
@@ -241,5 +249,181 @@ TEST_CASE("a large tap-major accumulator is freed after the call, a small one ke
         double expected = 0.0;
         for (idx_t i = 0; i < 9; ++i) expected += static_cast<double>(x[static_cast<std::size_t>(i)]) * x[static_cast<std::size_t>(i)];
         CHECK(std::abs(sum[static_cast<std::size_t>(4 + 4 * k)] - expected) <= 1e-5 * expected);
+    }
+}
+
+// --- Accuracy for any input (issue 25): the Gram of a stride-1 convolution from inputs that
+// defeat a subtraction of border rows and columns (one large pixel on the image border, a huge
+// dynamic range), entry by entry against the definition, against the im2col path, and with
+// every diagonal entry ≥ 0.
+namespace {
+
+/// Σ_patches x̃ x̃ᵀ and Σ_patches |x̃| |x̃|ᵀ (full K × K, column-major) in long double, with the
+/// number of patches.
+struct exact_gram {
+    std::vector<long double> gram, magnitude;
+    idx_t patches = 0;
+};
+
+template <class T>
+exact_gram gram_in_long_double(const std::vector<T>& x, const conv_input& in) {
+    const kfac::patch_grid grid = kfac::make_patch_grid(in.g, in.h, in.w, in.mode);
+    const idx_t kh = in.g.kernel[0], kw = in.g.kernel[1], k = in.c * kh * kw;
+    exact_gram e;
+    e.gram.assign(static_cast<std::size_t>(k * k), 0.0L);
+    e.magnitude = e.gram;
+    e.patches = in.n * grid.rows * grid.cols;
+    std::vector<long double> patch;
+    for (idx_t s = 0; s < in.n; ++s)
+        for (idx_t i = 0; i < grid.rows; ++i)
+            for (idx_t j = 0; j < grid.cols; ++j) {
+                fill_patch(patch, x, in, grid, s, i, j);
+                for (idx_t b = 0; b < k; ++b)
+                    for (idx_t a = 0; a < k; ++a) {
+                        const long double p = patch[static_cast<std::size_t>(a)] * patch[static_cast<std::size_t>(b)];
+                        e.gram[static_cast<std::size_t>(a + b * k)] += p;
+                        e.magnitude[static_cast<std::size_t>(a + b * k)] += std::fabs(p);
+                    }
+            }
+    return e;
+}
+
+/// Inputs that defeat cancellation: Gaussian noise with one pixel of `spike` at a border
+/// position, or (spike == 0) magnitudes spread log-uniformly over 10^±`decades` with random signs.
+template <class T>
+std::vector<T> adversarial_input(const conv_input& in, double spike, double decades, std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<double> normal;
+    std::uniform_real_distribution<double> exponent(-decades, decades);
+    std::vector<T> x(static_cast<std::size_t>(in.n * in.c * in.h * in.w));
+    for (auto& v : x)
+        v = static_cast<T>(spike != 0.0 ? normal(rng) : (rng() % 2 ? 1.0 : -1.0) * std::pow(10.0, exponent(rng)));
+    if (spike != 0.0) {
+        // A corner, an edge midpoint, or the far corner, of a random image and channel.
+        const idx_t n = static_cast<idx_t>(rng() % static_cast<std::uint32_t>(in.n));
+        const idx_t c = static_cast<idx_t>(rng() % static_cast<std::uint32_t>(in.c));
+        const idx_t where = static_cast<idx_t>(rng() % 4u);
+        const idx_t r = where == 0 ? 0 : where == 1 ? in.h / 2 : where == 2 ? 0 : in.h - 1;
+        const idx_t q = where == 0 ? 0 : where == 1 ? 0 : where == 2 ? in.w / 2 : in.w - 1;
+        x[static_cast<std::size_t>(((n * in.c + c) * in.h + r) * in.w + q)] = static_cast<T>(spike);
+    }
+    return x;
+}
+
+/// The stride-1 geometries of the checks: ResNet's 3 × 3 "same" conv at 8 and 16 channels,
+/// a 5 × 5, a dilated 3 × 3, a "valid" 3 × 3 (no padding), a 1 × 3 and a padding wider than
+/// the taps reach.
+std::vector<conv_input> adversarial_geometries() {
+    using kfac::conv2d_geometry;
+    const auto ref = kfac::conv_patch_mode::reference;
+    return {
+        {2, 8, 6, 6, conv2d_geometry{{3, 3}, {1, 1}, {1, 1}, {1, 1}, 1}, ref},
+        {2, 16, 7, 9, conv2d_geometry{{3, 3}, {1, 1}, {1, 1}, {1, 1}, 1}, ref},
+        {1, 8, 9, 8, conv2d_geometry{{5, 5}, {1, 1}, {2, 2}, {1, 1}, 1}, ref},
+        {2, 8, 8, 7, conv2d_geometry{{3, 3}, {1, 1}, {2, 2}, {2, 2}, 1}, kfac::conv_patch_mode::dilated},
+        {3, 8, 6, 5, conv2d_geometry{{3, 3}, {1, 1}, {0, 0}, {1, 1}, 1}, ref},
+        {2, 8, 4, 6, conv2d_geometry{{1, 3}, {1, 1}, {0, 1}, {1, 1}, 1}, ref},
+        {1, 8, 5, 5, conv2d_geometry{{3, 3}, {1, 1}, {3, 3}, {1, 1}, 1}, ref},
+    };
+}
+
+/// Checks one input on the shifted path: every lower entry of Σ x̃ x̃ᵀ within 2·γ_n·Σ|x̃ᵢ x̃ⱼ| of
+/// the definition, n the patches (each entry is a sum of at most n products, and any order of
+/// summation of n rounded products errs by at most γ_n = n·u/(1 − n·u) times the sum of their
+/// magnitudes; 2 for the rounding of the reference and margin), and every diagonal entry ≥ 0.
+/// Returns the largest error relative to that bound.
+template <class T>
+double check_against_definition(const std::vector<T>& x, const conv_input& in) {
+    const kfac::patch_grid grid = kfac::make_patch_grid(in.g, in.h, in.w, in.mode);
+    const auto geometry = sg::make_shifted_gram_geometry(in.g, grid, in.c, in.h, in.w);
+    const idx_t k = in.c * in.g.kernel[0] * in.g.kernel[1];
+    std::vector<T> sum(static_cast<std::size_t>(k * k), T(0));
+    sg::shifted_gram_scratch<T> scratch;
+    sg::accumulate_shifted_patch_gram(sum.data(), k, x.data(), in.n, geometry, T(1), T(0), scratch);
+    const exact_gram e = gram_in_long_double(x, in);
+    const long double u = std::numeric_limits<T>::epsilon() / 2;
+    const auto n = static_cast<long double>(e.patches);
+    const long double gamma = n * u / (1.0L - n * u);
+    double worst = 0.0;
+    for (idx_t j = 0; j < k; ++j) {
+        CHECK(sum[static_cast<std::size_t>(j + j * k)] >= T(0));
+        for (idx_t i = j; i < k; ++i) {
+            const auto at = static_cast<std::size_t>(i + j * k);
+            const long double error = std::fabs(static_cast<long double>(sum[at]) - e.gram[at]);
+            const long double bound = 2.0L * gamma * e.magnitude[at];
+            if (error > bound) {
+                INFO("entry (" << i << ", " << j << "): " << static_cast<double>(sum[at]) << ", definition "
+                               << static_cast<double>(e.gram[at]) << ", bound " << static_cast<double>(bound));
+                CHECK(error <= bound);
+            }
+            if (bound > 0.0L) worst = std::max(worst, static_cast<double>(error / bound));
+        }
+    }
+    return worst;
+}
+
+template <class T>
+void check_adversarial_inputs(const std::vector<double>& spikes, double decades) {
+    std::uint32_t seed = 1;
+    for (const conv_input& in : adversarial_geometries()) {
+        for (const double spike : spikes) {
+            for (int repeat = 0; repeat < 4; ++repeat, ++seed) {
+                INFO("C " << in.c << " " << in.h << "x" << in.w << " kernel " << in.g.kernel[0] << "x" << in.g.kernel[1]
+                          << " padding " << in.g.padding[0] << "," << in.g.padding[1] << " dilation "
+                          << in.g.dilation[0] << " spike " << spike << " seed " << seed);
+                check_against_definition(adversarial_input<T>(in, spike, 0.0, seed), in);
+            }
+        }
+        INFO("C " << in.c << " " << in.h << "x" << in.w << ": magnitudes over 10^+-" << decades);
+        check_against_definition(adversarial_input<T>(in, 0.0, decades, seed++), in);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("shift-structured patch Gram stays accurate with a large pixel on the border, in float", "[shifted][adversarial]") {
+    check_adversarial_inputs<float>({300.0, 1e4, -1e6}, 6.0);
+}
+
+TEST_CASE("shift-structured patch Gram stays accurate with a large pixel on the border, in double", "[shifted][adversarial]") {
+    check_adversarial_inputs<double>({300.0, 1e8, -1e12}, 12.0);
+}
+
+TEST_CASE("shift-structured and im2col A statistics agree entry by entry on adversarial inputs", "[shifted][adversarial]") {
+    // Both paths of the backend, with bias and the reference's scaling α = 1/(N·S³): each entry
+    // of either is within γ_n·α·Σ|x̃ᵢ x̃ⱼ| of the definition (α a power of two times a rounding,
+    // one more u), so they are within 2·(γ_n + u)·α·Σ|x̃ᵢ x̃ⱼ| of each other.
+    using backend = kfac::backend::cpu_eigen<float>;
+    for (const conv_input& in : adversarial_geometries()) {
+        const kfac::patch_grid grid = kfac::make_patch_grid(in.g, in.h, in.w, in.mode);
+        const auto d = kfac::conv2d_description(in.c, 4, in.g, false);
+        const idx_t k = d.weight_columns();
+        for (const double spike : {300.0, 0.0}) {
+            const auto x = adversarial_input<float>(in, spike, 6.0, 77);
+            const kfac::tensor_view<const float> view(x.data(), {in.n, in.c, in.h, in.w});
+            backend::matrix shifted = backend::matrix::Zero(k, k), im2col = shifted;
+            backend::workspace ws;
+            backend::accumulate_patch_gram_shifted(shifted, d, view, grid, 0.0f, ws);
+            backend::accumulate_patch_gram_im2col(im2col, d, view, grid, 0.0f, ws);
+            const exact_gram e = gram_in_long_double(x, in);
+            const long double u = std::numeric_limits<float>::epsilon() / 2;
+            const auto n = static_cast<long double>(e.patches);
+            const long double s = grid.rows * grid.cols;
+            const long double alpha = 1.0L / (static_cast<long double>(in.n) * s * s * s);
+            for (idx_t j = 0; j < k; ++j) {
+                CHECK(shifted(j, j) >= 0.0f);
+                for (idx_t i = j; i < k; ++i) {
+                    const long double bound =
+                        2.0L * (n * u / (1.0L - n * u) + u) * alpha * e.magnitude[static_cast<std::size_t>(i + j * k)];
+                    const long double error = std::fabs(static_cast<long double>(shifted(i, j)) - im2col(i, j));
+                    if (error > bound) {
+                        INFO("C " << in.c << " kernel " << in.g.kernel[0] << "x" << in.g.kernel[1] << " spike " << spike
+                                  << " entry (" << i << ", " << j << "): shifted " << shifted(i, j) << ", im2col "
+                                  << im2col(i, j));
+                        CHECK(error <= bound);
+                    }
+                }
+            }
+        }
     }
 }

@@ -105,12 +105,15 @@ struct cpu_eigen {
     /// While alive, BLAS calls run single-threaded (the caller runs several at once).
     struct serial_blas_scope {
 #if KFAC_HAS_LAPACK
-        int previous = detail::blas_thread_count();
+        // BLAS's thread count is the process's: scopes of several preconditioners stepping
+        // in several threads at once nest in any order, so the first to open saves the count
+        // and the last to close restores it (each scope restoring what it found would leave
+        // 1 behind when they interleave).
         serial_blas_scope() {
             check_blas_kernels();
-            detail::set_blas_thread_count(1);
+            detail::serial_blas_enter();
         }
-        ~serial_blas_scope() { detail::set_blas_thread_count(previous); }
+        ~serial_blas_scope() { detail::serial_blas_leave(); }
 #endif
         serial_blas_scope(const serial_blas_scope&) = delete;
         serial_blas_scope& operator=(const serial_blas_scope&) = delete;

@@ -2,8 +2,9 @@
 #pragma once
 /// @file format.hpp
 /// What a checkpoint of the preconditioner holds, in a safetensors container
-/// (kfac/checkpoint/safetensors.hpp), and the checks a file passes before anything is loaded
-/// from it. The preconditioner's save() and load() move the data; this header names it.
+/// (kfac/checkpoint/safetensors.hpp), and the checks its header and metadata pass before
+/// anything is loaded from it (the tensors' values: kfac/checkpoint/value_checks.hpp). The
+/// preconditioner's save() and load() move the data; this header names it.
 ///
 /// Tensors (C order, the scalar type of the preconditioner that wrote them, F32 or F64):
 ///   `<layer>.A`, `<layer>.G`            running factors (symmetric)
@@ -13,23 +14,30 @@
 ///        inverse: A.inverse, G.inverse (damped inverses)
 /// Metadata (strings): see the key names below; `option.<name>` holds an option's value in
 /// exact decimal, or `schedule` for a scheduled one (schedules are code: the host supplies
-/// them again), `layer.<name>` the layer's signature and `damping.<name>` the damping its
-/// second-order data was computed with.
+/// them again), `layer.<name>` the layer's signature. The `checksum` entry digests everything
+/// else: every other metadata entry, the tensors' names, dtypes and shapes, and the data.
 
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "kfac/checkpoint/files.hpp"
 #include "kfac/checkpoint/safetensors.hpp"
 #include "kfac/config.hpp"
 
 namespace kfac::checkpoint {
 
 /// Name in the `format` metadata entry, and the version this library writes and reads. A file
-/// of a newer version is refused; older versions stay readable.
+/// of a newer version is refused; older versions stay readable. Version 1 checksummed the
+/// data alone, so a flipped bit in the metadata (the step count, a counter, the damping) went
+/// unseen; version 2 checksums the whole archive and says so in `checksum_scope`.
 inline constexpr const char* format_name = "kfac.preconditioner";
-inline constexpr int format_version = 1;
+inline constexpr int format_version = 2;
+
+/// The value of `checksum_scope` in files of version 2: what the checksum digests.
+inline constexpr const char* checksum_scope_all = "metadata+data";
 
 /// What save() writes.
 struct save_options {
@@ -61,6 +69,7 @@ inline constexpr const char* version = "format_version";
 inline constexpr const char* library = "library_version";
 inline constexpr const char* step = "step";
 inline constexpr const char* checksum = "checksum";
+inline constexpr const char* checksum_scope = "checksum_scope";  ///< from format version 2
 inline constexpr const char* scalar = "scalar";
 inline constexpr const char* method = "compute_method";
 inline constexpr const char* second_order = "second_order";  ///< "included", "omitted" or "none yet"
@@ -69,7 +78,7 @@ inline constexpr const char* layers = "layers";              ///< how many
 inline constexpr const char* world_size = "saved_world_size";
 inline constexpr const char* strategy = "saved_strategy";
 inline const std::string layer_prefix = "layer.";
-inline const std::string damping_prefix = "damping.";
+inline const std::string damping_prefix = "damping.";  ///< reserved: no file holds per-layer damping
 inline const std::string option_prefix = "option.";
 inline const std::string health_prefix = "health.";
 }  // namespace key
@@ -97,12 +106,30 @@ inline const std::string health_prefix = "health.";
 }
 
 /// The container-level facts of a checkpoint, checked: ours, not newer than this library,
-/// intact (checksum), with a readable step count.
+/// intact (checksum), with a valid step count, second-order state and damping.
 struct header {
     int version = 0;
     std::int64_t step = 0;
+    double damping = 0.0;  ///< γ of the second-order data (0 before the first step)
     std::string scalar, method, second_order, library;
 };
+
+/// Whether `a` is checksummed whole (format version 2 on). A file that carries the scope
+/// entry, or claims any version but 1, is verified that way whatever else its metadata says,
+/// so no single flipped bit makes a version-2 file be verified the old way.
+[[nodiscard]] inline bool checksums_metadata(const archive& a) {
+    if (a.metadata.count(key::checksum_scope) != 0) return true;
+    const auto version = a.metadata.find(key::version);
+    return version == a.metadata.end() || version->second != "1";
+}
+
+/// The checksum `a` must record, in the scope it declares.
+[[nodiscard]] inline std::string expected_checksum(const archive& a) {
+    return hex64(checksums_metadata(a) ? archive_checksum(a, key::checksum) : data_checksum(a.tensors));
+}
+
+/// Records the checksum of `a` (after every other metadata entry is set: it digests them).
+inline void seal(archive& a) { a.metadata[key::checksum] = expected_checksum(a); }
 
 /// A metadata entry's text. @throws kfac::error naming the source and the key.
 [[nodiscard]] inline const std::string& metadata_text(const archive& a, const std::string& k, const std::string& source) {
@@ -144,6 +171,18 @@ struct header {
     return v;
 }
 
+/// The damping the file's second-order data was computed with: finite and > 0, as
+/// options.damping must be; 0 before the first step (no data yet, nothing was computed).
+[[nodiscard]] inline double metadata_damping(const archive& a, const std::string& source, std::int64_t step) {
+    const double v = metadata_number(a, key::damping, source);
+    const bool valid = std::isfinite(v) && (step == 0 ? v >= 0.0 : v > 0.0);
+    if (!valid)
+        throw error("checkpoint " + source + ": metadata '" + key::damping + "' = '" + metadata_text(a, key::damping, source) +
+                    "' is invalid: the damping of second-order data must be finite and > 0, as options.damping must be" +
+                    (step == 0 ? " (or 0 before the first step)" : "") + "; the file is corrupt (use an earlier checkpoint)");
+    return v;
+}
+
 /// @throws kfac::error naming `source`, what was expected and found, and the fix.
 [[nodiscard]] inline header check_header(const archive& a, const std::string& source) {
     auto meta = [&](const char* k) -> const std::string& { return metadata_text(a, k, source); };
@@ -159,10 +198,17 @@ struct header {
                     library_version() + ") reads; load it with kfac " + h.library + " or later");
     h.version = static_cast<int>(version);
     const std::string recorded = meta(key::checksum);
-    const std::string actual = hex64(data_checksum(a.tensors));
+    const bool whole = checksums_metadata(a);
+    const std::string actual = expected_checksum(a);
     if (recorded != actual)
-        throw error("checkpoint " + source + ": the data's checksum is " + actual + ", the file records " + recorded +
+        throw error("checkpoint " + source + ": the checksum of its " + (whole ? "metadata, header and data" : "data") +
+                    " is " + actual + ", the file records " + recorded +
                     "; the file was corrupted after it was written (copy it again, or use an earlier checkpoint)");
+    // Vouched for by the checksum from here on (version 2), or as trusted as version 1 was.
+    if (whole && meta(key::checksum_scope) != checksum_scope_all)
+        throw error("checkpoint " + source + ": metadata '" + key::checksum_scope + "' = '" + meta(key::checksum_scope) +
+                    "', but this kfac (" + library_version() + ") knows only '" + checksum_scope_all +
+                    "'; the file was not written by kfac's save()");
     h.step = integer(key::step);
     h.scalar = meta(key::scalar);
     h.method = meta(key::method);
@@ -170,6 +216,11 @@ struct header {
     if (h.second_order != "included" && h.second_order != "omitted" && h.second_order != "none yet")
         throw error("checkpoint " + source + ": metadata '" + key::second_order + "' = '" + h.second_order +
                     "' is none of included, omitted, none yet (the file is corrupt)");
+    if ((h.step == 0) != (h.second_order == "none yet"))
+        throw error("checkpoint " + source + ": metadata '" + key::step + "' = '" + std::to_string(h.step) + "' and '" +
+                    key::second_order + "' = '" + h.second_order + "' disagree (save() writes 'none yet' exactly at "
+                    "step 0); the file is corrupt (use an earlier checkpoint)");
+    h.damping = metadata_damping(a, source, h.step);
     return h;
 }
 

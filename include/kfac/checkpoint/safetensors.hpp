@@ -9,8 +9,8 @@
 /// preconditioner holds is decided elsewhere.
 ///
 /// Reading checks everything a corrupt or foreign file could get wrong (sizes, offsets,
-/// dtypes, shapes, overlaps, trailing bytes) and says what and where; writing a file goes
-/// through a temporary file and a rename, so a crash never leaves a torn file behind.
+/// dtypes, shapes, overlaps, trailing bytes) and says what and where. Files are read and
+/// written by kfac/checkpoint/files.hpp.
 
 #include <algorithm>
 #include <bit>
@@ -18,13 +18,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -118,19 +116,13 @@ struct archive {
     }
 };
 
-/// A 64-bit digest of the data section, 8 bytes at a time (FNV-1a's constants on words, with
-/// a final avalanche), fast enough for gigabytes of factors. Stored in the metadata so that
-/// a bit flipped on disk is found on load.
-[[nodiscard]] inline std::uint64_t data_checksum(const std::vector<tensor>& tensors) {
-    std::uint64_t h = 14695981039346656037ull;
-    auto mix = [&](std::uint64_t word) {
-        h ^= word;
-        h *= 1099511628211ull;
-        h ^= h >> 29;
-    };
-    for (const auto& t : tensors) {
-        const std::byte* p = t.bytes.data();
-        std::size_t n = t.bytes.size(), i = 0;
+/// A 64-bit digest of byte runs, 8 bytes at a time (FNV-1a's constants on words, with a final
+/// avalanche), fast enough for gigabytes of factors. Each run ends with a word holding its
+/// length, so moving a byte from one run to the next changes the digest.
+class digest64 {
+public:
+    void add(const std::byte* p, std::size_t n) {
+        std::size_t i = 0;
         for (; i + 8 <= n; i += 8) {
             std::uint64_t word;
             std::memcpy(&word, p + i, 8);
@@ -140,10 +132,65 @@ struct archive {
         if (i < n) std::memcpy(&tail, p + i, n - i);
         mix(tail ^ (static_cast<std::uint64_t>(n) << 56));
     }
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    return h;
+    void add(std::string_view text) { add(reinterpret_cast<const std::byte*>(text.data()), text.size()); }
+    [[nodiscard]] std::uint64_t value() const {
+        std::uint64_t h = h_;
+        h ^= h >> 33;
+        h *= 0xff51afd7ed558ccdull;
+        h ^= h >> 33;
+        return h;
+    }
+
+private:
+    void mix(std::uint64_t word) {
+        h_ ^= word;
+        h_ *= 1099511628211ull;
+        h_ ^= h_ >> 29;
+    }
+    std::uint64_t h_ = 14695981039346656037ull;
+};
+
+/// The digest of the data section alone (one run per tensor), as format version 1 of
+/// checkpoints records it: a bit flipped in the data is found, one in the header is not.
+[[nodiscard]] inline std::uint64_t data_checksum(const std::vector<tensor>& tensors) {
+    digest64 d;
+    for (const auto& t : tensors) d.add(t.bytes.data(), t.bytes.size());
+    return d.value();
+}
+
+/// The digest of the whole archive: every metadata entry but `excluded_key` (the one that
+/// will hold the digest), each tensor's name, dtype and shape in stored order, then the data
+/// as data_checksum() reads it. The header is digested in a canonical form (entries sorted
+/// by key, every string length-prefixed), not as its JSON text, so that the digest does not
+/// depend on how a writer spaced, ordered or escaped the JSON (Python's safetensors writes it
+/// otherwise) while any change of a key, a value, a name, a dtype or a shape changes it.
+[[nodiscard]] inline std::uint64_t archive_checksum(const archive& a, std::string_view excluded_key) {
+    std::string canonical = "kfac.archive_checksum.1\n";
+    auto field = [&](std::string_view text) {
+        canonical += std::to_string(text.size());
+        canonical += ':';
+        canonical += text;
+    };
+    for (const auto& [key, value] : a.metadata) {  // std::map: sorted by key
+        if (key == excluded_key) continue;
+        canonical += 'm';
+        field(key);
+        field(value);
+    }
+    for (const auto& t : a.tensors) {
+        canonical += 't';
+        field(t.name);
+        field(dtype_name(t.type));
+        canonical += std::to_string(t.shape.size());
+        for (const auto e : t.shape) {
+            canonical += ',';
+            canonical += std::to_string(e);
+        }
+    }
+    digest64 d;
+    d.add(canonical);
+    for (const auto& t : a.tensors) d.add(t.bytes.data(), t.bytes.size());
+    return d.value();
 }
 
 /// "0x0123456789abcdef".
@@ -288,44 +335,6 @@ struct archive {
     for (const auto& s : spans) ordered.push_back(std::move(a.tensors[s.index]));
     a.tensors = std::move(ordered);
     return a;
-}
-
-/// Writes `a` to `path` through a temporary file beside it and a rename: a reader sees the
-/// old file or the new one, never a torn one.
-/// @throws kfac::error naming the path and the system's reason.
-inline void write_file(const std::filesystem::path& path, const archive& a) {
-    const std::string bytes = serialize(a);
-    std::filesystem::path temporary = path;
-    temporary += ".tmp";
-    {
-        std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-        if (!out) throw error("checkpoint " + path.string() + ": cannot create " + temporary.string() +
-                              " (is the folder there and writable?)");
-        out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-        out.flush();
-        if (!out) {
-            std::error_code ignored;
-            std::filesystem::remove(temporary, ignored);
-            throw error("checkpoint " + path.string() + ": writing " + std::to_string(bytes.size()) +
-                        " bytes failed (is the disk full?)");
-        }
-    }
-    std::error_code ec;
-    std::filesystem::rename(temporary, path, ec);
-    if (ec) {
-        std::error_code ignored;
-        std::filesystem::remove(temporary, ignored);
-        throw error("checkpoint " + path.string() + ": cannot rename the temporary file into place: " + ec.message());
-    }
-}
-
-/// Reads and parses a whole file.
-/// @throws kfac::error naming the path and what is wrong.
-[[nodiscard]] inline archive read_file(const std::filesystem::path& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw error("checkpoint " + path.string() + ": cannot open it (does it exist?)");
-    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    return parse(bytes, path.string());
 }
 
 }  // namespace kfac::checkpoint

@@ -9,9 +9,12 @@
 /// owner broadcasts them. Second-order data comes from the rank that computed a layer's G
 /// data, which holds the whole layer's data (KAISA shares A's within the column; MEM_OPT and
 /// DP-KFAC compute both on one rank). One layer travels at a time.
-/// Load: rank 0 reads the bytes and broadcasts them; every rank checks the whole file and
+/// Load: rank 0 reads the bytes and broadcasts them; every rank checks the whole file (its
+/// checksum, metadata and every tensor's values, whichever layers the rank will hold) and
 /// builds its new state aside; only when every rank succeeded does any state change.
 
+#include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -23,6 +26,7 @@
 
 #include "kfac/checkpoint/format.hpp"
 #include "kfac/checkpoint/safetensors.hpp"
+#include "kfac/checkpoint/value_checks.hpp"
 #include "kfac/detail/configuration_check.hpp"
 #include "kfac/detail/layer_checks.hpp"
 #include "kfac/health.hpp"
@@ -139,7 +143,8 @@ struct checkpoint_io {
         m[key::health_prefix + "skipped_factor_updates"] = std::to_string(p.health_.skipped_factor_updates);
         m[key::health_prefix + "kept_decompositions"] = std::to_string(p.health_.kept_decompositions);
         m[key::health_prefix + "zeroed_gradients"] = std::to_string(p.health_.zeroed_gradients);
-        m[key::checksum] = checkpoint::hex64(checkpoint::data_checksum(a.tensors));
+        m[key::checksum_scope] = checkpoint::checksum_scope_all;
+        checkpoint::seal(a);  // last: the checksum digests every other entry
     }
 
     /// What load() sets, built before anything changes.
@@ -171,6 +176,11 @@ struct checkpoint_io {
         std::map<std::string, std::string> file_layers;
         for (const auto& [k, v] : a.metadata)
             if (k.rfind(key::layer_prefix, 0) == 0) file_layers[k.substr(key::layer_prefix.size())] = v;
+        if (const auto declared = checkpoint::metadata_count(a, key::layers, source);
+            declared != static_cast<std::int64_t>(file_layers.size()))
+            throw error(where + "metadata '" + key::layers + "' = '" + std::to_string(declared) + "' but it holds " +
+                        std::to_string(file_layers.size()) + " layer entries; the file is corrupt (use an earlier "
+                        "checkpoint)");
         for (const auto& l : p.layers_) {
             const auto it = file_layers.find(l.host.name);
             const std::string signature = layer_signature(l.host.name, l.host.description);
@@ -206,10 +216,29 @@ struct checkpoint_io {
             unclaimed.erase(it);
             return &t;
         };
+        // Values no save() writes (a NaN, an asymmetric factor, a negative variance), in a
+        // file whose checksum is valid; checked on every rank, whatever it will hold, so that
+        // all ranks agree. `structure`: a running factor's, absent for second-order data.
+        auto check_values = [&](const std::string& layer, const checkpoint::tensor& t, std::int64_t cols,
+                                std::optional<factor_structure> structure) {
+            const std::string fault =
+                structure ? checkpoint::factor_fault(t, *structure, cols) : checkpoint::non_finite_fault(t, cols);
+            if (!fault.empty())
+                throw error(where + "layer '" + layer + "': tensor '" + t.name + "' " + fault +
+                            "; save() never writes that, so the file is corrupt or was edited (use an earlier checkpoint)");
+            const std::string range = checkpoint::range_fault<scalar>(t, cols);
+            if (!range.empty()) throw error(where + "layer '" + layer + "': tensor '" + t.name + "' " + range);
+        };
         staged s;
         s.step = h.step;
         s.recompute = h.step > 0 && !use_file_second;
-        s.second_order_damping = checkpoint::metadata_number(a, key::damping, source);
+        s.second_order_damping = h.damping;
+        if (const auto gamma = static_cast<scalar>(h.damping); h.step > 0 && !std::isfinite(scalar(1) / gamma))
+            throw error(where + "metadata '" + key::damping + "' = '" + a.metadata.at(key::damping) + "' is too small for " +
+                        (sizeof(scalar) == sizeof(float) ? "float" : "double") + ": as for options.damping, 1/damping "
+                        "must be finite in the precision of the preconditioner; " +
+                        (sizeof(scalar) == sizeof(float) ? "load the file into a double preconditioner"
+                                                         : "the file is corrupt (use an earlier checkpoint)"));
         s.health.skipped_factor_updates = checkpoint::metadata_count(a, key::health_prefix + "skipped_factor_updates", source);
         s.health.kept_decompositions = checkpoint::metadata_count(a, key::health_prefix + "kept_decompositions", source);
         s.health.zeroed_gradients = checkpoint::metadata_count(a, key::health_prefix + "zeroed_gradients", source);
@@ -219,6 +248,8 @@ struct checkpoint_io {
             const auto a_rows = d.a_storage_rows(), a_cols = d.a_storage_cols(), g_dim = d.g_factor_dim();
             const auto* ta = take(name, name + ".A", checkpoint::stored_shape(a_rows, a_cols, a_factor_rank(d)));
             const auto* tg = take(name, name + ".G", {g_dim, g_dim});
+            check_values(name, *ta, a_cols, d.a_structure());
+            check_values(name, *tg, g_dim, d.g_structure());
             auto& fa = s.a_factor.emplace_back();
             auto& fg = s.g_factor.emplace_back();
             if (l.role.holds_factors) {
@@ -236,6 +267,7 @@ struct checkpoint_io {
                 const std::string tensor_name = name + "." + suffix;
                 if (!use_file_second) return;
                 const auto* t = take(name, tensor_name, checkpoint::stored_shape(rows, cols, rank));
+                check_values(name, *t, cols, std::nullopt);
                 if (mine) x = to_storage(*t, rows, cols);
             });
             if (mine) second = std::move(data);
@@ -267,14 +299,14 @@ struct checkpoint_io {
             const std::string mine = item.value == "a schedule" ? "schedule" : item.value;
             const std::string older = checkpoint::value_before_option_existed(option);
             if (it == a.metadata.end() && !older.empty()) {
-                if (older == mine) continue;
+                if (same_option_value(older, mine)) continue;
                 throw error(where + "options." + option + " did not exist when it was saved (as if " + older +
                             ") and is " + mine + " now; a resume is exact only with the same options. Set it to " +
                             older + ", or load with load_options{.allow_changed_options = true}");
             }
             if (it == a.metadata.end())
                 throw error(where + "the metadata entry 'option." + option + "' is missing (the file is corrupt)");
-            if (it->second == mine) continue;
+            if (same_option_value(it->second, mine)) continue;
             if (structural)
                 throw error(where + "its eigendecompositions were saved with compute_eigenvalue_outer_product = " +
                             it->second + ", this preconditioner has " + mine + "; set the option as saved, or load "
@@ -283,6 +315,19 @@ struct checkpoint_io {
                         " now; a resume is exact only with the same options. Set it as saved, or load with "
                         "load_options{.allow_changed_options = true} to continue with the new value");
         }
+    }
+
+    /// Whether an option's saved text and its text now are the same value. Exact decimal text
+    /// is one per double but for ±0: "-0" and "0" are the same option (−0.0 == 0.0 in every
+    /// use), so they are compared as numbers where both are numbers.
+    static bool same_option_value(const std::string& saved, const std::string& now) {
+        if (saved == now) return true;
+        auto number = [](const std::string& text, double& v) {
+            const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+            return ec == std::errc() && end == text.data() + text.size();
+        };
+        double x = 0.0, y = 0.0;
+        return number(saved, x) && number(now, y) && x == y;
     }
 
     static std::string layer_list(const std::map<std::string, std::string>& layers) {

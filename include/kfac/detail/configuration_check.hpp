@@ -68,8 +68,15 @@ inline std::uint64_t configuration_digest(const std::vector<config_item>& items)
 /// The first item where `mine` (this rank's) differs from `reference` (rank 0's), as the
 /// sentence of an error message; nullopt when they agree. Items are matched by key, so a
 /// layer that one rank registered in addition is named as that layer.
+inline constexpr const char* configuration_subject = "the registered layers or the options";
+inline constexpr const char* configuration_fix =
+    "Register the same layers, in the same order, with the same shapes and options on every rank";
+
+/// `subject` names what the items are, `fix` what to do (the configuration's by default).
 inline std::optional<std::string> first_difference(const std::vector<config_item>& reference,
-                                                   const std::vector<config_item>& mine, int rank) {
+                                                   const std::vector<config_item>& mine, int rank,
+                                                   const std::string& subject = configuration_subject,
+                                                   const std::string& fix = configuration_fix) {
     const std::string here = "rank " + std::to_string(rank);
     auto find = [](const std::vector<config_item>& items, const std::string& key) -> const config_item* {
         for (const auto& item : items)
@@ -77,9 +84,8 @@ inline std::optional<std::string> first_difference(const std::vector<config_item
         return nullptr;
     };
     auto sentence = [&](const std::string& key, const config_item* r, const config_item* m) {
-        return "ranks disagree on the registered layers or the options: " + here + " differs from rank 0 in " + key +
-               ": rank 0 has " + (r ? r->value : "nothing") + ", " + here + " has " + (m ? m->value : "nothing") +
-               ". Register the same layers, in the same order, with the same shapes and options on every rank";
+        return "ranks disagree on " + subject + ": " + here + " differs from rank 0 in " + key + ": rank 0 has " +
+               (r ? r->value : "nothing") + ", " + here + " has " + (m ? m->value : "nothing") + ". " + fix;
     };
     for (const auto& m : mine) {
         const config_item* r = find(reference, m.key);

@@ -53,6 +53,14 @@ struct layer_scratch {
     std::vector<std::vector<scalar>> group_channels;
     bool usable = true;            ///< false: this step's gradient is zeroed
     bool active = true;            ///< false: no gradient this step (the host left it alone)
+    /// What the host's adapter said in this call's agreed checks, read once there: the layer's
+    /// applications in the pass, each one's activations and output gradients (factor-update
+    /// steps), and the record's rows of the gradient buffers (when active). The rest of the
+    /// call works from these, so an adapter that throws can only throw where every rank agrees,
+    /// before anything changes.
+    std::int64_t applications = 0;
+    std::vector<tensor_view<const scalar>> activations, output_gradients;
+    tensor_view<scalar> weight_gradient, bias_gradient;
 };
 
 template <class Backend, class Method>

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -121,6 +122,32 @@ int cholesky_inverse_lower(blas_int n, T* a, blas_int lda) {
 
 inline int blas_thread_count() { return KFAC_BLAS_NAME(openblas_get_num_threads)(); }
 inline void set_blas_thread_count(int threads) { KFAC_BLAS_NAME(openblas_set_num_threads)(threads); }
+
+/// Scopes of single-threaded BLAS open in this process, and the count the first one found.
+struct serial_blas_state {
+    std::mutex mutex;
+    int open = 0;
+    int saved = 1;
+};
+inline serial_blas_state& serial_blas() {
+    static serial_blas_state state;
+    return state;
+}
+/// Opens a scope of single-threaded BLAS: the first saves the thread count and sets 1.
+inline void serial_blas_enter() {
+    serial_blas_state& s = serial_blas();
+    const std::lock_guard<std::mutex> lock(s.mutex);
+    if (s.open++ == 0) {
+        s.saved = blas_thread_count();
+        set_blas_thread_count(1);
+    }
+}
+/// Closes one: the last restores the count the first found.
+inline void serial_blas_leave() {
+    serial_blas_state& s = serial_blas();
+    const std::lock_guard<std::mutex> lock(s.mutex);
+    if (--s.open == 0) set_blas_thread_count(s.saved);
+}
 
 /// The kernel set OpenBLAS chose (or was told to use through OPENBLAS_CORETYPE) for this
 /// process: "Haswell", "Zen", "SkylakeX", "Prescott", ... (upper case in builds without

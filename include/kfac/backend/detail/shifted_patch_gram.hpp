@@ -7,23 +7,32 @@
 /// For stride 1 the product of tap p = (u, v) and tap p' = (u', v') of one patch reads input
 /// pixels a fixed offset Δ = ((u' − u)·d_h, (v' − v)·d_w) apart. Summed over the patches,
 ///   block(p, p')[c, c'] = Σ_n Σ_{(r, s) ∈ W_p} X[n, c, r, s] · X[n, c', r + Δ_r, s + Δ_s],
-/// where W_p is the window of input pixels tap p visits. Windows of taps with the same Δ
-/// differ only by border rows and columns, so one cross-product per offset,
-///   full(Δ) = Σ over every pixel pair Δ apart inside the image,
-/// serves every tap pair with that offset after subtracting the border rows and columns
-/// outside its window (inclusion–exclusion, corners added back). A 3 × 3 kernel has 81 tap
-/// pairs but 25 offsets, 13 up to symmetry (block(p', p) = block(p, p')ᵀ): for C channels the
-/// work falls from (9C)²/2 to about 13·C² multiply-adds per pixel, plus thin border terms.
+/// where W_p is the window of input pixels tap p visits. The windows of the tap pairs with one
+/// offset differ only by a few border rows and columns, so the work is shared: the image is cut
+/// into cells along every window's bounds (border rows and columns, and the wide middle), the
+/// cells inside every pair's window of an offset are summed once into full(Δ), and each pair
+/// adds full(Δ) and the cross-products of its own remaining border cells. A 3 × 3 kernel has
+/// 81 tap pairs but 25 offsets, 13 up to symmetry (block(p', p) = block(p, p')ᵀ): for C
+/// channels the work falls from (9C)²/2 to about 13·C² multiply-adds per pixel, plus thin
+/// border terms.
+///
+/// Nothing is ever subtracted: every entry is a sum of exactly the products the definition
+/// has, so it is as accurate as im2col's (within γ_n·Σ|x̃ᵢ x̃ⱼ| for n patches, whatever the
+/// input), and a diagonal entry is a sum of squares, never negative. (An inclusion–exclusion
+/// over whole-image products, which this replaced, cancels catastrophically when a large pixel
+/// sits on the border: its square is added, then subtracted again.)
 ///
 /// Layout: the input is copied once per group of images to [row][image][column][channel],
 /// each image row followed by a gap of (k_w − 1)·d_w zero columns. Then
 ///   * a run of whole rows is one contiguous matrix (positions × channels), and the same run
-///     shifted by Δ starts Δ_r·(row stride) + Δ_s positions later: full(Δ) and a border row
-///     are one GEMM each, with no copy; a column shift that leaves the image lands in a gap.
+///     shifted by Δ starts Δ_r·(row stride) + Δ_s positions later; a column shift that leaves
+///     the image lands in a gap. The middle columns of a run of rows are one GEMM over a
+///     second copy whose border columns are zero (only the left operand is masked: a zero
+///     times its partner adds nothing).
 ///   * one column over a run of rows is a matrix with leading dimension (row stride) ×
-///     channels: a border column is one GEMM too.
-/// Exact (only the order of the additions differs from im2col), so the reference's numbers
-/// are kept; `shifted_patch_gram_pays` decides from the multiply-add counts when it is worth it.
+///     channels: a border column's cell is one GEMM too.
+/// Exact up to the order of the additions, so the reference's numbers are kept;
+/// `shifted_patch_gram_pays` decides from the multiply-add counts when it is worth it.
 
 #include <algorithm>
 #include <cstdint>
@@ -76,51 +85,132 @@ inline shifted_gram_geometry make_shifted_gram_geometry(const conv2d_geometry& g
             grid.dil_w, g.padding[0], g.padding[1], grid.rows,   grid.cols};
 }
 
+/// The columns cut at every bound of every tap pair's window: each part lies wholly inside or
+/// wholly outside any window. The widest part is the `middle` (one GEMM over the masked copy
+/// per run of rows), every other column is a part of its own (one strided GEMM per run).
+/// Rows need no parts: a run of whole rows is contiguous in any case.
+struct window_parts {
+    std::vector<pixel_range> cols;
+    std::int64_t middle = -1;  ///< index in cols of the wide middle part; −1: none
+    [[nodiscard]] bool is_middle(std::size_t j) const noexcept { return static_cast<std::int64_t>(j) == middle; }
+};
+
+/// A tap pair (p, p') of one offset and where it reads: the rows of tap p's window whose
+/// partner row is inside the image, and the columns tap p visits. (Columns whose partner
+/// column leaves the image may stay: the partner lands in a zero gap, and adds nothing. So
+/// the columns are cut only where taps' windows end, not at every offset's image bound.)
+struct tap_pair {
+    std::int64_t p = 0, q = 0;
+    pixel_range rows, cols;
+};
+
 /// Visits every tap pair (p, p') with p' − p in the half space of offsets (row offset > 0, or
-/// 0 with column offset ≥ 0), grouped by offset: `offset(a, b)` once per offset in tap units,
-/// then `pair(p, p', rows, cols, all_rows, all_cols)` for each of its pairs whose window is not
-/// empty, with the pair's window (rows × cols) and the offset's (all_rows × all_cols).
-template <class Offset, class Pair>
-void for_each_offset_pair(const shifted_gram_geometry& g, Offset&& offset, Pair&& pair) {
+/// 0 with column offset ≥ 0) whose window has a pixel pair inside the image, grouped by
+/// offset: `offset(a, b, pairs)` once per offset (in tap units) with the offset's pairs.
+template <class Offset>
+void for_each_offset(const shifted_gram_geometry& g, Offset&& offset) {
     const std::int64_t kh = g.kernel_h, kw = g.kernel_w;
+    std::vector<tap_pair> pairs;
     for (std::int64_t a = 0; a < kh; ++a) {
         for (std::int64_t b = a == 0 ? 0 : -(kw - 1); b < kw; ++b) {
             const pixel_range all_rows = shifted_gram_geometry::both_inside(g.height, a * g.dil_h);
             const pixel_range all_cols = shifted_gram_geometry::both_inside(g.width, b * g.dil_w);
             if (all_rows.empty() || all_cols.empty()) continue;
-            bool announced = false;
+            pairs.clear();
             for (std::int64_t u = 0; u + a < kh; ++u) {
                 for (std::int64_t v = std::max<std::int64_t>(0, -b); v < kw && v + b < kw; ++v) {
                     const pixel_range r = shifted_gram_geometry::visited(u, g.dil_h, g.pad_h, g.grid_rows, g.height);
                     const pixel_range c = shifted_gram_geometry::visited(v, g.dil_w, g.pad_w, g.grid_cols, g.width);
                     const pixel_range rows{std::max(r.lo, all_rows.lo), std::min(r.hi, all_rows.hi)};
-                    const pixel_range cols{std::max(c.lo, all_cols.lo), std::min(c.hi, all_cols.hi)};
-                    if (rows.empty() || cols.empty()) continue;
-                    if (!announced) offset(a, b, all_rows, all_cols);
-                    announced = true;
-                    pair(u * kw + v, (u + a) * kw + v + b, rows, cols, all_rows, all_cols);
+                    const pixel_range inside_cols{std::max(c.lo, all_cols.lo), std::min(c.hi, all_cols.hi)};
+                    if (rows.empty() || inside_cols.empty()) continue;
+                    pairs.push_back({u * kw + v, (u + a) * kw + v + b, rows, c});
                 }
             }
+            if (!pairs.empty()) offset(a, b, pairs);
         }
     }
 }
 
+/// The consecutive intervals between the sorted distinct `bounds`.
+inline std::vector<pixel_range> intervals_between(std::vector<std::int64_t> bounds) {
+    std::sort(bounds.begin(), bounds.end());
+    bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+    std::vector<pixel_range> parts;
+    for (std::size_t i = 0; i + 1 < bounds.size(); ++i) parts.push_back({bounds[i], bounds[i + 1]});
+    return parts;
+}
+
+inline window_parts make_window_parts(const shifted_gram_geometry& g) {
+    std::vector<std::int64_t> col_bounds{0, g.width};
+    for_each_offset(g, [&](std::int64_t, std::int64_t, const std::vector<tap_pair>& pairs) {
+        for (const tap_pair& t : pairs) col_bounds.insert(col_bounds.end(), {t.cols.lo, t.cols.hi});
+    });
+    window_parts parts;
+    const std::vector<pixel_range> col_intervals = intervals_between(std::move(col_bounds));
+    std::size_t widest = 0;
+    for (std::size_t j = 1; j < col_intervals.size(); ++j)
+        if (col_intervals[j].size() > col_intervals[widest].size()) widest = j;
+    for (std::size_t j = 0; j < col_intervals.size(); ++j) {
+        const pixel_range c = col_intervals[j];
+        if (j == widest && c.size() > 1) {
+            parts.middle = static_cast<std::int64_t>(parts.cols.size());
+            parts.cols.push_back(c);
+        } else {
+            for (std::int64_t s = c.lo; s < c.hi; ++s) parts.cols.push_back({s, s + 1});
+        }
+    }
+    return parts;
+}
+
+/// The cells of each offset, in the order they are summed: `offset(a, b)` starts an offset
+/// (full(Δ) ← 0); `cell(false, rows, j)` adds the cell of column part j over `rows` inside
+/// every pair's window (the common part) to full(Δ); then for each pair, `pair(p, q)`
+/// (block(p, q) += full(Δ)) and `cell(true, rows, j)` for its cells outside the common part:
+/// a column part inside the common columns over the window's rows above and below the common
+/// rows, any other column part of the window over all its rows. Every pixel pair of a window
+/// is in exactly one of its cells and the common part.
+template <class Offset, class Pair, class Cell>
+void for_each_offset_cell(const shifted_gram_geometry& g, const window_parts& parts, Offset&& offset, Pair&& pair,
+                          Cell&& cell) {
+    auto within = [](pixel_range part, pixel_range window) { return part.lo >= window.lo && part.hi <= window.hi; };
+    for_each_offset(g, [&](std::int64_t a, std::int64_t b, const std::vector<tap_pair>& pairs) {
+        pixel_range common_rows = pairs.front().rows, common_cols = pairs.front().cols;
+        for (const tap_pair& t : pairs) {
+            common_rows = {std::max(common_rows.lo, t.rows.lo), std::min(common_rows.hi, t.rows.hi)};
+            common_cols = {std::max(common_cols.lo, t.cols.lo), std::min(common_cols.hi, t.cols.hi)};
+        }
+        const bool has_common = !common_rows.empty() && !common_cols.empty();
+        offset(a, b);
+        if (has_common)
+            for (std::size_t j = 0; j < parts.cols.size(); ++j)
+                if (within(parts.cols[j], common_cols)) cell(false, common_rows, j);
+        for (const tap_pair& t : pairs) {
+            pair(t.p, t.q);
+            for (std::size_t j = 0; j < parts.cols.size(); ++j) {
+                if (!within(parts.cols[j], t.cols)) continue;
+                if (has_common && within(parts.cols[j], common_cols)) {
+                    if (t.rows.lo < common_rows.lo) cell(true, pixel_range{t.rows.lo, common_rows.lo}, j);
+                    if (common_rows.hi < t.rows.hi) cell(true, pixel_range{common_rows.hi, t.rows.hi}, j);
+                } else {
+                    cell(true, t.rows, j);
+                }
+            }
+        }
+    });
+}
+
 /// Multiply-adds per image of the shift-structured Gram, per channel pair (× C² for the
-/// total): the full cross-product of each offset, then each pair's border rows, columns and
-/// corners.
+/// total): the inner dimension of every cell's cross-product (a middle cell runs over whole
+/// rows with their gaps, a column cell over its rows).
 inline double shifted_gram_work_per_image(const shifted_gram_geometry& g) {
+    const window_parts parts = make_window_parts(g);
     const auto wb = static_cast<double>(g.padded_width());
     double work = 0.0;
-    for_each_offset_pair(
-        g, [&](std::int64_t, std::int64_t, pixel_range all_rows, pixel_range) {
-            work += static_cast<double>(all_rows.size()) * wb;
-        },
-        [&](std::int64_t, std::int64_t, pixel_range rows, pixel_range cols, pixel_range all_rows,
-            pixel_range all_cols) {
-            const auto excluded_rows = static_cast<double>(all_rows.size() - rows.size());
-            const auto excluded_cols = static_cast<double>(all_cols.size() - cols.size());
-            work += excluded_rows * wb + excluded_cols * static_cast<double>(all_rows.size()) +
-                    excluded_rows * excluded_cols;
+    for_each_offset_cell(
+        g, parts, [](std::int64_t, std::int64_t) {}, [](std::int64_t, std::int64_t) {},
+        [&](bool, pixel_range rows, std::size_t j) {
+            work += static_cast<double>(rows.size()) * (parts.is_middle(j) ? wb : 1.0);
         });
     return work;
 }
@@ -172,6 +262,7 @@ void add_cross_product(Scalar* C, std::int64_t ldc, const Scalar* X, const Scala
 template <class Scalar>
 struct shifted_gram_scratch {
     std::vector<Scalar> images;  ///< one group of images, channel-last with row gaps
+    std::vector<Scalar> middle;  ///< the same with every column outside the middle part zero
     std::vector<Scalar> gram;    ///< tap-major (p·C + c) accumulator, upper block triangle (kept while small)
     std::vector<Scalar> full;    ///< full(Δ) of the current offset, C × C
 };
@@ -181,8 +272,8 @@ struct shifted_gram_scratch {
 /// of 512 channels), is freed after each call instead of staying with every such layer.
 inline constexpr std::size_t shifted_gram_kept_scalars = std::size_t{1} << 20;
 
-/// Images per group: the group's channel-last copy stays near 256 KiB, so that the GEMMs of
-/// all offsets read it from L2.
+/// Images per group: the group's channel-last copies stay near 256 KiB, so that the GEMMs of
+/// all offsets read them from L2.
 inline std::int64_t shifted_gram_images_per_group(const shifted_gram_geometry& g, std::int64_t images,
                                                   std::size_t scalar_bytes) {
     const auto image_bytes = static_cast<double>(g.height * g.padded_width() * g.channels) *
@@ -203,66 +294,73 @@ void accumulate_shifted_patch_gram(Scalar* sum, std::int64_t ld_sum, const Scala
     const std::int64_t H = g.height, W = g.width, wb = g.padded_width(), guard = g.gap();
     const std::int64_t group = shifted_gram_images_per_group(g, images, sizeof(Scalar));
     const std::int64_t row_stride = group * wb;  // positions from one row of the group to the next
+    const window_parts parts = make_window_parts(g);
+    // The middle part spans the whole row when no window cuts a column: no mask to apply.
+    const pixel_range middle = parts.middle >= 0 ? parts.cols[static_cast<std::size_t>(parts.middle)] : pixel_range{};
+    const bool masked = parts.middle >= 0 && middle.size() < W;
     scratch.gram.assign(static_cast<std::size_t>(K * K), Scalar(0));
     scratch.full.resize(static_cast<std::size_t>(C * C));
     // A guard of `gap` zero positions before row 0 and after the last row: a column shift
-    // read from the first or last position of the buffer lands there.
-    scratch.images.resize(static_cast<std::size_t>((guard + H * row_stride + guard) * C));
+    // read from the first or last position of the buffer lands there. The guards, the gaps
+    // and the masked columns are zeroed here once and never written after.
+    const auto buffer = static_cast<std::size_t>((guard + H * row_stride + guard) * C);
+    scratch.images.assign(buffer, Scalar(0));
+    scratch.middle.assign(masked ? buffer : 0, Scalar(0));
     Scalar* const gram = scratch.gram.data();
     Scalar* const full = scratch.full.data();
+    Scalar* const base = scratch.images.data() + guard * C;  // position 0: row 0, image 0, column 0
+    Scalar* const middle_base = masked ? scratch.middle.data() + guard * C : base;
 
     for (std::int64_t first = 0; first < images; first += group) {
         const std::int64_t count = std::min(group, images - first);
-        // Channel-last copy; the gaps, the guards and the unused image slots of a
-        // short last group are zeros.
-        std::fill(scratch.images.begin(), scratch.images.end(), Scalar(0));
-        Scalar* const base = scratch.images.data() + guard * C;  // position 0: row 0, image 0, column 0
-        for (std::int64_t i = 0; i < count; ++i) {
-            for (std::int64_t c = 0; c < C; ++c) {
-                const Scalar* src = input + ((first + i) * C + c) * H * W;
-                for (std::int64_t r = 0; r < H; ++r) {
-                    Scalar* dst = base + ((r * group + i) * wb) * C + c;
-                    for (std::int64_t s = 0; s < W; ++s) dst[s * C] = src[r * W + s];
+        // Channel-last copies of the group's images; a short last group zeroes the slots it
+        // leaves unused (they hold the previous group's images).
+        for (std::int64_t i = 0; i < group; ++i) {
+            for (std::int64_t r = 0; r < H; ++r) {
+                const std::int64_t row = ((r * group + i) * wb) * C;
+                if (i >= count) {
+                    std::fill(base + row, base + row + W * C, Scalar(0));
+                    if (masked) std::fill(middle_base + row + middle.lo * C, middle_base + row + middle.hi * C, Scalar(0));
+                    continue;
                 }
+                for (std::int64_t c = 0; c < C; ++c) {
+                    const Scalar* src = input + (((first + i) * C + c) * H + r) * W;
+                    for (std::int64_t s = 0; s < W; ++s) base[row + s * C + c] = src[s];
+                }
+                if (masked) std::copy(base + row + middle.lo * C, base + row + middle.hi * C, middle_base + row + middle.lo * C);
             }
         }
-        auto at = [&](std::int64_t row, std::int64_t col) { return base + (row * row_stride + col) * C; };
+        auto at = [&](std::int64_t row, std::int64_t col) { return (row * row_stride + col) * C; };
         std::int64_t shift = 0;  // positions between a pixel and its partner Δ away
-        // full(Δ): whole rows, one contiguous run; a border row: one row's run; a border
-        // column: strided by a row of one image (wb positions) over the rows.
-        for_each_offset_pair(
-            g,
-            [&](std::int64_t a, std::int64_t b, pixel_range all_rows, pixel_range) {
+        Scalar* block = nullptr;
+        // A middle cell: whole rows of the masked copy against the image; a column cell: one
+        // column strided by a row of one image (wb positions) over its rows.
+        auto add_cell = [&](Scalar* into, std::int64_t ld, pixel_range rows, std::size_t j) {
+            if (parts.is_middle(j)) {
+                const std::int64_t offset = at(rows.lo, 0);
+                add_cross_product(into, ld, middle_base + offset, base + offset + shift * C, C, rows.size() * row_stride,
+                                  C, Scalar(1));
+            } else {
+                const Scalar* x = base + at(rows.lo, parts.cols[j].lo);
+                add_cross_product(into, ld, x, x + shift * C, C, rows.size() * group, wb * C, Scalar(1));
+            }
+        };
+        for_each_offset_cell(
+            g, parts,
+            [&](std::int64_t a, std::int64_t b) {
                 shift = a * g.dil_h * row_stride + b * g.dil_w;
                 std::fill(scratch.full.begin(), scratch.full.end(), Scalar(0));
-                const Scalar* x = at(all_rows.lo, 0);
-                add_cross_product(full, C, x, x + shift * C, C, all_rows.size() * row_stride, C, Scalar(1));
             },
-            [&](std::int64_t p, std::int64_t q, pixel_range rows, pixel_range cols, pixel_range all_rows,
-                pixel_range all_cols) {
-                Scalar* block = gram + (p * C) + (q * C) * K;
+            [&](std::int64_t p, std::int64_t q) {
+                block = gram + (p * C) + (q * C) * K;
                 for (std::int64_t j = 0; j < C; ++j)
                     for (std::int64_t i = 0; i < C; ++i) block[i + j * K] += full[i + j * C];
-                auto subtract_row = [&](std::int64_t r) {
-                    const Scalar* x = at(r, 0);
-                    add_cross_product(block, K, x, x + shift * C, C, row_stride, C, Scalar(-1));
-                };
-                auto subtract_col = [&](std::int64_t s) {
-                    const Scalar* x = at(all_rows.lo, s);
-                    add_cross_product(block, K, x, x + shift * C, C, all_rows.size() * group, wb * C, Scalar(-1));
-                };
-                auto add_corners = [&](std::int64_t r) {
-                    auto corner = [&](std::int64_t s) {
-                        const Scalar* x = at(r, s);
-                        add_cross_product(block, K, x, x + shift * C, C, group, wb * C, Scalar(1));
-                    };
-                    for (std::int64_t s = all_cols.lo; s < cols.lo; ++s) corner(s);
-                    for (std::int64_t s = cols.hi; s < all_cols.hi; ++s) corner(s);
-                };
-                for (std::int64_t r = all_rows.lo; r < rows.lo; ++r) subtract_row(r), add_corners(r);
-                for (std::int64_t r = rows.hi; r < all_rows.hi; ++r) subtract_row(r), add_corners(r);
-                for (std::int64_t s = all_cols.lo; s < cols.lo; ++s) subtract_col(s);
-                for (std::int64_t s = cols.hi; s < all_cols.hi; ++s) subtract_col(s);
+            },
+            [&](bool into_pair, pixel_range rows, std::size_t j) {
+                if (into_pair)
+                    add_cell(block, K, rows, j);
+                else
+                    add_cell(full, C, rows, j);
             });
     }
 
@@ -280,7 +378,10 @@ void accumulate_shifted_patch_gram(Scalar* sum, std::int64_t ld_sum, const Scala
             }
         }
     }
-    if (scratch.gram.size() > shifted_gram_kept_scalars) std::vector<Scalar>().swap(scratch.gram);
+    if (scratch.gram.size() > shifted_gram_kept_scalars) {
+        std::vector<Scalar>().swap(scratch.gram);
+        std::vector<Scalar>().swap(scratch.middle);
+    }
 }
 
 /// Σ over the patches of each patch element (c, u, v), added to sums[(c·k_h + u)·k_w + v]:
