@@ -23,6 +23,11 @@
 #include <xtensor/xnpy.hpp>
 
 #include <kfac/kfac.hpp>
+#if KFAC_REPLAY_WITH_MPI
+#include <kfac/comm/mpi.hpp>
+#endif
+
+#include "staged_backend.hpp"
 
 namespace kfac_replay {
 
@@ -234,11 +239,24 @@ struct step_arrays {
 /// contiguous block of each step's rows while the gradients are the full-batch ones, as
 /// data-parallel training delivers them. KAISA must reproduce the recording on every rank;
 /// DP-KFAC is compared with single-process preconditioners fed each owner's shard.
+/// A one-process communicator of the replay's own policy, for DP-KFAC's reference shards: the
+/// shards are then the same instantiation of the preconditioner as the replayed one.
+template <class Comm>
+Comm single_process_comm() {
+    return Comm{};
+}
+#if KFAC_REPLAY_WITH_MPI
+template <>
+inline kfac::comm::mpi single_process_comm<kfac::comm::mpi>() {
+    return kfac::comm::mpi(MPI_COMM_SELF);
+}
+#endif
+
 template <template <class> class BackendOf, class Scalar, class Method, class Assignment, class Comm>
 replay_report replay_with(const golden_case& c, double rtol, const distributed_setup& setup, Comm comm) {
     using backend = BackendOf<Scalar>;
     using kfac_type = kfac::KFAC<backend, Comm, Method, Assignment>;
-    using shard_type = kfac::KFAC<backend, kfac::comm::serial, Method, Assignment>;
+    using shard_type = kfac_type;
     // Factors in host memory: the matrix itself for host backends, a copy for device ones.
     auto host = [](const auto& m) -> decltype(auto) { return backend::to_host(m); };
     const json& meta = c.meta();
@@ -285,7 +303,7 @@ replay_report replay_with(const golden_case& c, double rtol, const distributed_s
         shard_opts.kl_clip = std::optional<double>{};
         shard_views.assign(static_cast<std::size_t>(world), views);
         for (int s = 0; s < world; ++s) {
-            shards.push_back(std::make_unique<shard_type>(shard_opts));
+            shards.push_back(std::make_unique<shard_type>(shard_opts, single_process_comm<Comm>()));
             for (std::size_t i = 0; i < n_layers; ++i)
                 shards.back()->register_layer(layers_meta[i].at("name").get<std::string>(), shard_views[static_cast<std::size_t>(s)][i]);
         }
@@ -461,5 +479,35 @@ replay_report replay(const golden_case& c, precision p = precision::case_dtype,
     };
     return use_float ? with_method(float{}) : with_method(double{});
 }
+
+// Each replay_with instantiation (a preconditioner per method and assignment) is compiled once,
+// in the translation units tests/CMakeLists.txt generates (one per communicator, backend and
+// scalar type, kfac_replay_instances_*), and only declared here: the replay tool and the Catch2
+// suite share them, and the build runs them in parallel.
+#define KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(X, BACKEND, SCALAR, COMM)                         \
+    X(BACKEND, SCALAR, kfac::compute::eigendecomposition, kfac::assignment::compute_balanced, COMM) \
+    X(BACKEND, SCALAR, kfac::compute::eigendecomposition, kfac::assignment::memory_balanced, COMM)  \
+    X(BACKEND, SCALAR, kfac::compute::eigendecomposition, kfac::assignment::round_robin, COMM)      \
+    X(BACKEND, SCALAR, kfac::compute::inverse, kfac::assignment::compute_balanced, COMM)            \
+    X(BACKEND, SCALAR, kfac::compute::inverse, kfac::assignment::memory_balanced, COMM)             \
+    X(BACKEND, SCALAR, kfac::compute::inverse, kfac::assignment::round_robin, COMM)
+#define KFAC_REPLAY_DECLARE(BACKEND, SCALAR, METHOD, ASSIGNMENT, COMM)                             \
+    extern template replay_report replay_with<BACKEND, SCALAR, METHOD, ASSIGNMENT, COMM>(          \
+        const golden_case&, double, const distributed_setup&, COMM);
+#define KFAC_REPLAY_DEFINE(BACKEND, SCALAR, METHOD, ASSIGNMENT, COMM)                              \
+    template replay_report replay_with<BACKEND, SCALAR, METHOD, ASSIGNMENT, COMM>(const golden_case&, double, \
+                                                                                  const distributed_setup&, COMM);
+#ifndef KFAC_REPLAY_INSTANTIATE_HERE
+KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, kfac::backend::cpu_eigen, float, kfac::comm::serial)
+KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, kfac::backend::cpu_eigen, double, kfac::comm::serial)
+KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, staged_backend, float, kfac::comm::serial)
+KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, staged_backend, double, kfac::comm::serial)
+#if KFAC_REPLAY_WITH_MPI
+KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, kfac::backend::cpu_eigen, float, kfac::comm::mpi)
+KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, kfac::backend::cpu_eigen, double, kfac::comm::mpi)
+KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, staged_backend, float, kfac::comm::mpi)
+KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, staged_backend, double, kfac::comm::mpi)
+#endif
+#endif
 
 }  // namespace kfac_replay

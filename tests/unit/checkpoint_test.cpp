@@ -75,7 +75,7 @@ struct model {
 };
 
 template <class Backend, class Method>
-using precond_t = kfac::KFAC<Backend, kfac::comm::serial, Method>;
+using precond_of = kfac::KFAC<Backend, kfac::comm::serial, Method>;
 
 kfac::options resume_options(std::int64_t passes) {
     kfac::options o;
@@ -93,7 +93,7 @@ kfac::options resume_options(std::int64_t passes) {
 /// + N/2: every gradient and the final factors are bitwise equal.
 template <class T, class Method>
 void check_bitwise_resume(std::int64_t passes, bool eigen_product, double reuse_tolerance = 0.0) {
-    using P = precond_t<kfac::backend::cpu_eigen<T>, Method>;
+    using P = precond_of<kfac::backend::cpu_eigen<T>, Method>;
     constexpr std::int64_t n = 14, half = 7;
     auto opts = resume_options(passes);
     opts.compute_eigenvalue_outer_product = eigen_product;
@@ -148,7 +148,7 @@ TEST_CASE("resume is bitwise with eigenbasis reuse: its decisions come from the 
 }
 TEST_CASE("a checkpoint refuses another eigenbasis_reuse_tolerance unless changes are allowed",
           "[checkpoint][eigenbasis_reuse]") {
-    using P = precond_t<kfac::backend::cpu_eigen<double>, kfac::compute::eigendecomposition>;
+    using P = precond_of<kfac::backend::cpu_eigen<double>, kfac::compute::eigendecomposition>;
     auto opts = resume_options(1);
     model<double> m;
     P saved(opts);
@@ -179,7 +179,7 @@ TEST_CASE("resume is bitwise with gradient accumulation", "[checkpoint]") {
 
 namespace {
 
-using P64 = precond_t<kfac::backend::cpu_eigen<double>, kfac::compute::eigendecomposition>;
+using P64 = precond_of<kfac::backend::cpu_eigen<double>, kfac::compute::eigendecomposition>;
 
 /// load_bytes() throws a kfac::error whose message holds every phrase.
 template <class P>
@@ -385,7 +385,7 @@ TEST_CASE("changed options are refused unless allowed", "[checkpoint]") {
 
 TEST_CASE("the other compute method needs recomputed second-order data", "[checkpoint]") {
     saved_run run;
-    using Pinv = precond_t<kfac::backend::cpu_eigen<double>, kfac::compute::inverse>;
+    using Pinv = precond_of<kfac::backend::cpu_eigen<double>, kfac::compute::inverse>;
     model<double> m;
     Pinv p(resume_options(1));
     m.register_with(p);
@@ -426,7 +426,7 @@ TEST_CASE("without second-order data, load recomputes it from the factors", "[ch
 
 TEST_CASE("a double checkpoint loads into float and back", "[checkpoint]") {
     saved_run run;
-    using P32 = precond_t<kfac::backend::cpu_eigen<float>, kfac::compute::eigendecomposition>;
+    using P32 = precond_of<kfac::backend::cpu_eigen<float>, kfac::compute::eigendecomposition>;
     model<float> m;
     P32 p(resume_options(1));
     m.register_with(p);
@@ -590,10 +590,6 @@ struct scratch_folder {
     }
 };
 
-std::string file_text(const std::filesystem::path& p) {
-    std::ifstream in(p, std::ios::binary);
-    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 }  // namespace
 
@@ -678,7 +674,7 @@ TEST_CASE("loaded metadata is checked as the options are", "[checkpoint][integri
     layer_count.metadata["layers"] = "2";
     t.require_load_fails(reseal(layer_count), {"'layers' = '2'", "3 layer entries", "corrupt"});
     // A damping valid in double but whose inverse overflows float: as options.damping would be.
-    using P32 = precond_t<kfac::backend::cpu_eigen<float>, kfac::compute::eigendecomposition>;
+    using P32 = precond_of<kfac::backend::cpu_eigen<float>, kfac::compute::eigendecomposition>;
     auto tiny = a;
     tiny.metadata["second_order_damping"] = "1e-50";
     model<float> m;

@@ -10,8 +10,6 @@ using namespace kfac_test;
 
 namespace {
 
-template <class T>
-using backend = kfac::backend::cpu_eigen<T>;
 
 }  // namespace
 

@@ -17,8 +17,6 @@ using namespace kfac_test;
 
 namespace {
 
-template <class T>
-using backend = kfac::backend::cpu_eigen<T>;
 
 /// Token ids of `count` positions over a vocabulary of `vocabulary`, never `absent`, skewed
 /// towards small ids (as real token frequencies are), as scalars.

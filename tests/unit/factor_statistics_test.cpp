@@ -9,8 +9,6 @@ using namespace kfac_test;
 
 namespace {
 
-template <class T>
-using backend = kfac::backend::cpu_eigen<T>;
 
 }  // namespace
 

@@ -13,8 +13,6 @@ using namespace kfac_test;
 
 namespace {
 
-template <class T>
-using backend = kfac::backend::cpu_eigen<T>;
 
 /// Channels [group·c/groups, (group + 1)·c/groups) of an [n, c, inner...] array, contiguous.
 template <class T>

@@ -19,11 +19,6 @@ struct flaky_backend : kfac::backend::cpu_eigen<double> {
     }
 };
 
-bool all_finite(const std::vector<double>& v) {
-    for (double x : v)
-        if (!std::isfinite(x)) return false;
-    return true;
-}
 
 }  // namespace
 

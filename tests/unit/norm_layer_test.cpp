@@ -20,8 +20,6 @@ using namespace kfac_test;
 
 namespace {
 
-template <class T>
-using backend = kfac::backend::cpu_eigen<T>;
 
 /// A normalisation layer's views: x̂ and dy of `shape`, gradients of γ and β.
 template <class T>

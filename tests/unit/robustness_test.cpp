@@ -74,11 +74,6 @@ void require_same_state(const precond_t& p, const two_layers& pm, const precond_
     CHECK(p.last_kl_scale() == q.last_kl_scale());
 }
 
-bool all_finite(const std::vector<double>& v) {
-    for (double x : v)
-        if (!std::isfinite(x)) return false;
-    return true;
-}
 
 /// Sets an environment variable for one scope and restores it after.
 class scoped_env {

@@ -155,7 +155,8 @@ TEST_CASE("files are written through a temporary and a rename", "[checkpoint][sa
 
 namespace {
 
-std::string file_text(const std::filesystem::path& p) {
+
+std::string bytes_of(const std::filesystem::path& p) {
     std::ifstream in(p, std::ios::binary);
     return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
@@ -182,12 +183,12 @@ TEST_CASE("the temporary file is created exclusively: links and stale files at i
     std::filesystem::create_symlink(dir / "nowhere", dir / (stem + "1"));  // dangling: creating through it would make the target
     std::ofstream(dir / (stem + "2")) << "stale";
     ck::write_file(path, sample());
-    CHECK(file_text(victim) == "precious");
+    CHECK(bytes_of(victim) == "precious");
     CHECK(std::filesystem::is_symlink(dir / "state.safetensors.tmp"));
     CHECK(std::filesystem::is_symlink(dir / (stem + "0")));
     CHECK(std::filesystem::is_symlink(dir / (stem + "1")));
     CHECK_FALSE(std::filesystem::exists(dir / "nowhere"));
-    CHECK(file_text(dir / (stem + "2")) == "stale");
+    CHECK(bytes_of(dir / (stem + "2")) == "stale");
     CHECK_FALSE(std::filesystem::is_symlink(path));
     CHECK(ck::read_file(path).metadata == sample().metadata);
     CHECK(entries(dir) == 6);  // the victim, 3 links, the stale file, the written file

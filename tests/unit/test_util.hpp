@@ -6,7 +6,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <Eigen/Core>
@@ -22,6 +26,22 @@ std::vector<T> random_vector(std::size_t n, std::uint32_t seed, double scale = 1
     std::vector<T> v(n);
     for (auto& x : v) x = static_cast<T>(dist(gen));
     return v;
+}
+
+/// The CPU backend, the one most tests run on.
+template <class T>
+using backend = kfac::backend::cpu_eigen<T>;
+
+inline bool all_finite(const std::vector<double>& v) {
+    for (double x : v)
+        if (!std::isfinite(x)) return false;
+    return true;
+}
+
+/// A file's bytes.
+inline std::string file_text(const std::filesystem::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 /// max|x − r| / max|r|.

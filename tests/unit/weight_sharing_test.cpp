@@ -11,9 +11,6 @@ using namespace kfac_test;
 
 namespace {
 
-template <class T>
-using backend = kfac::backend::cpu_eigen<T>;
-
 /// (1/N) Σ_n v_n v_nᵀ over the columns v_n of V.
 mat<double> mean_outer(const mat<double>& v) { return v * v.transpose() / double(v.cols()); }
 
