@@ -235,10 +235,6 @@ struct step_arrays {
     std::vector<xt::xarray<Scalar>> a, g, gw, gb;
 };
 
-/// Replays every step of the case. With several ranks (Comm = comm::mpi) each rank gets its
-/// contiguous block of each step's rows while the gradients are the full-batch ones, as
-/// data-parallel training delivers them. KAISA must reproduce the recording on every rank;
-/// DP-KFAC is compared with single-process preconditioners fed each owner's shard.
 /// A one-process communicator of the replay's own policy, for DP-KFAC's reference shards: the
 /// shards are then the same instantiation of the preconditioner as the replayed one.
 template <class Comm>
@@ -252,6 +248,10 @@ inline kfac::comm::mpi single_process_comm<kfac::comm::mpi>() {
 }
 #endif
 
+/// Replays every step of the case. With several ranks (Comm = comm::mpi) each rank gets its
+/// contiguous block of each step's rows while the gradients are the full-batch ones, as
+/// data-parallel training delivers them. KAISA must reproduce the recording on every rank;
+/// DP-KFAC is compared with single-process preconditioners fed each owner's shard.
 template <template <class> class BackendOf, class Scalar, class Method, class Assignment, class Comm>
 replay_report replay_with(const golden_case& c, double rtol, const distributed_setup& setup, Comm comm) {
     using backend = BackendOf<Scalar>;
