@@ -89,6 +89,16 @@ kfac::options resume_options(std::int64_t passes) {
     return o;
 }
 
+/// The checkpoint of a double eigen preconditioner over model<double> after steps 0 and 1.
+std::string bytes_after_two_steps(const kfac::options& o) {
+    model<double> m;
+    precond_of<kfac::backend::cpu_eigen<double>, kfac::compute::eigendecomposition> saved(o);
+    m.register_with(saved);
+    std::vector<std::vector<double>> grads;
+    m.run(saved, 0, 2, 1, grads);
+    return saved.save_bytes();
+}
+
 /// N steps straight, and N/2 + save + load into a new preconditioner (and new layer objects)
 /// + N/2: every gradient and the final factors are bitwise equal.
 template <class T, class Method>
@@ -150,12 +160,8 @@ TEST_CASE("a checkpoint refuses another eigenbasis_reuse_tolerance unless change
           "[checkpoint][eigenbasis_reuse]") {
     using P = precond_of<kfac::backend::cpu_eigen<double>, kfac::compute::eigendecomposition>;
     auto opts = resume_options(1);
+    const std::string bytes = bytes_after_two_steps(opts);
     model<double> m;
-    P saved(opts);
-    m.register_with(saved);
-    std::vector<std::vector<double>> grads;
-    m.run(saved, 0, 2, 1, grads);
-    const std::string bytes = saved.save_bytes();
     opts.eigenbasis_reuse_tolerance = 0.05;
     P other(opts);
     m.register_with(other);
@@ -820,12 +826,7 @@ TEST_CASE("an option saved as 0 loads where it is -0, and the other way", "[chec
         INFO("saved with eigenbasis_reuse_tolerance = " << saved_value);
         auto o = resume_options(1);
         o.eigenbasis_reuse_tolerance = saved_value;
-        model<double> m;
-        P64 saved(o);
-        m.register_with(saved);
-        std::vector<std::vector<double>> grads;
-        m.run(saved, 0, 2, 1, grads);
-        const std::string bytes = saved.save_bytes();
+        const std::string bytes = bytes_after_two_steps(o);
         o.eigenbasis_reuse_tolerance = -saved_value;
         model<double> m2;
         P64 other(o);

@@ -44,6 +44,18 @@ void fill_patch(std::vector<R>& patch, const std::vector<T>& x, const conv_input
             }
 }
 
+/// Calls f(patch) for every patch of x in type R (fill_patch), image by image, row by row.
+template <class R, class T, class F>
+void for_each_patch(const std::vector<T>& x, const conv_input& in, const kfac::patch_grid& grid, F&& f) {
+    std::vector<R> patch;
+    for (idx_t s = 0; s < in.n; ++s)
+        for (idx_t i = 0; i < grid.rows; ++i)
+            for (idx_t j = 0; j < grid.cols; ++j) {
+                fill_patch(patch, x, in, grid, s, i, j);
+                f(patch);
+            }
+}
+
 /// Σ_patches x̃ x̃ᵀ (full K × K, column-major) and Σ_patches x̃, from the definition.
 struct patch_moments {
     std::vector<double> gram, sums;
@@ -58,17 +70,13 @@ patch_moments moments_by_definition(const std::vector<T>& x, const conv_input& i
     m.gram.assign(static_cast<std::size_t>(k * k), 0.0);
     m.sums.assign(static_cast<std::size_t>(k), 0.0);
     for (const T v : x) m.max_abs_input = std::max(m.max_abs_input, std::abs(static_cast<double>(v)));
-    std::vector<double> patch;
-    for (idx_t s = 0; s < in.n; ++s)
-        for (idx_t i = 0; i < grid.rows; ++i)
-            for (idx_t j = 0; j < grid.cols; ++j) {
-                fill_patch(patch, x, in, grid, s, i, j);
-                for (idx_t a = 0; a < k; ++a) {
-                    m.sums[static_cast<std::size_t>(a)] += patch[static_cast<std::size_t>(a)];
-                    for (idx_t b = 0; b < k; ++b)
-                        m.gram[static_cast<std::size_t>(a + b * k)] += patch[static_cast<std::size_t>(a)] * patch[static_cast<std::size_t>(b)];
-                }
-            }
+    for_each_patch<double>(x, in, grid, [&](const std::vector<double>& patch) {
+        for (idx_t a = 0; a < k; ++a) {
+            m.sums[static_cast<std::size_t>(a)] += patch[static_cast<std::size_t>(a)];
+            for (idx_t b = 0; b < k; ++b)
+                m.gram[static_cast<std::size_t>(a + b * k)] += patch[static_cast<std::size_t>(a)] * patch[static_cast<std::size_t>(b)];
+        }
+    });
     return m;
 }
 
@@ -273,18 +281,14 @@ exact_gram gram_in_long_double(const std::vector<T>& x, const conv_input& in) {
     e.gram.assign(static_cast<std::size_t>(k * k), 0.0L);
     e.magnitude = e.gram;
     e.patches = in.n * grid.rows * grid.cols;
-    std::vector<long double> patch;
-    for (idx_t s = 0; s < in.n; ++s)
-        for (idx_t i = 0; i < grid.rows; ++i)
-            for (idx_t j = 0; j < grid.cols; ++j) {
-                fill_patch(patch, x, in, grid, s, i, j);
-                for (idx_t b = 0; b < k; ++b)
-                    for (idx_t a = 0; a < k; ++a) {
-                        const long double p = patch[static_cast<std::size_t>(a)] * patch[static_cast<std::size_t>(b)];
-                        e.gram[static_cast<std::size_t>(a + b * k)] += p;
-                        e.magnitude[static_cast<std::size_t>(a + b * k)] += std::fabs(p);
-                    }
+    for_each_patch<long double>(x, in, grid, [&](const std::vector<long double>& patch) {
+        for (idx_t b = 0; b < k; ++b)
+            for (idx_t a = 0; a < k; ++a) {
+                const long double p = patch[static_cast<std::size_t>(a)] * patch[static_cast<std::size_t>(b)];
+                e.gram[static_cast<std::size_t>(a + b * k)] += p;
+                e.magnitude[static_cast<std::size_t>(a + b * k)] += std::fabs(p);
             }
+    });
     return e;
 }
 
