@@ -147,11 +147,10 @@ template <class Assignment>
 row evaluate(const model& m, const std::string& model_name, const strategy& s, int world, const cost_model& c,
              bool eigen, std::int64_t global_batch, int ranks_per_node, int lone_rank_threads = 0) {
     row r{model_name, s.name, Assignment::name, world};
-    const std::size_t L = m.layers.size();
-    std::vector<std::pair<std::int64_t, std::int64_t>> dims;
-    for (const auto& l : m.layers) dims.emplace_back(l.description.a_dim(), l.description.g_dim());
-    // Who holds, computes and receives what: the preconditioner's own plan.
-    const auto plan = kfac::assignment::plan_distribution<Assignment>(dims, world, s.kind, s.fraction, true);
+    // Who holds, computes and receives what: the preconditioner's own plan, per block.
+    const auto blocks = kfac_bench::blocks_of(m);
+    const std::size_t L = blocks.size();
+    const auto plan = kfac_bench::plan_of<Assignment>(m, world, s.kind, s.fraction);
     const int grad_workers = plan.grad_workers_per_layer;
     const double bytes = 4.0;  // float32
     // The ranks on one machine share its cores: a lone rank uses them all (task parallelism),
@@ -174,8 +173,8 @@ row evaluate(const model& m, const std::string& model_name, const strategy& s, i
     std::vector<double> inv_bcast(static_cast<std::size_t>(world), 0.0);
     double total_factor_values = 0, grad_values = 0;
     for (std::size_t i = 0; i < L; ++i) {
-        const double a = static_cast<double>(dims[i].first), g = static_cast<double>(dims[i].second);
-        const auto& layer = m.layers[i];
+        const auto& layer = *blocks[i];
+        const double a = static_cast<double>(layer.description.a_dim()), g = static_cast<double>(layer.description.g_dim());
         const double rows = local_batch * static_cast<double>(layer.rows_per_sample);
         const double t_stats = rows * (a * a + g * g) / c.syrk_flops;
         const double t_precond = (eigen ? 4.0 : 2.0) * a * g * (a + g) / c.gemm_flops;

@@ -3,12 +3,14 @@
 /// @file model_file.hpp
 /// Reads a model's K-FAC layer shapes from the text format of bench/models/*.txt.
 
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <kfac/assignment/placement_costs.hpp>
 #include <kfac/kfac.hpp>
 
 namespace kfac_bench {
@@ -45,10 +47,13 @@ inline model read_model(const std::string& path) {
         model_layer l;
         int bias = 0;
         if (kind == "conv2d") {
-            std::int64_t c_in, c_out, kh, kw, stride, pad;
+            std::int64_t c_in, c_out, kh, kw, stride, pad, groups = 1;
             if (!(s >> l.name >> c_in >> c_out >> bias >> kh >> kw >> stride >> pad >> l.height >> l.width))
-                throw kfac::error(path + ":" + std::to_string(number) + ": expected conv2d NAME C_IN C_OUT BIAS K_H K_W STRIDE PADDING H_IN W_IN");
-            l.description = kfac::conv2d_description(c_in, c_out, {{kh, kw}, {stride, stride}, {pad, pad}, {1, 1}, 1}, bias != 0);
+                throw kfac::error(path + ":" + std::to_string(number) +
+                                  ": expected conv2d NAME C_IN C_OUT BIAS K_H K_W STRIDE PADDING H_IN W_IN [GROUPS]");
+            if (!(s >> groups)) groups = 1;
+            l.description =
+                kfac::conv2d_description(c_in, c_out, {{kh, kw}, {stride, stride}, {pad, pad}, {1, 1}, groups}, bias != 0);
             l.rows_per_sample = kfac::conv_output_extent(l.height, kh, stride, pad, 1) *
                                 kfac::conv_output_extent(l.width, kw, stride, pad, 1);
         } else if (kind == "linear") {
@@ -63,6 +68,26 @@ inline model read_model(const std::string& path) {
     }
     if (m.layers.empty()) throw kfac::error("model file " + path + " lists no layers");
     return m;
+}
+
+/// The blocks the preconditioner makes of the model's layers, in its order: per block, the
+/// layer it belongs to (a grouped convolution of g groups is g blocks).
+inline std::vector<const model_layer*> blocks_of(const model& m) {
+    std::vector<const model_layer*> blocks;
+    for (const auto& l : m.layers)
+        for (std::int64_t j = 0; j < std::max<std::int64_t>(1, l.description.groups()); ++j) blocks.push_back(&l);
+    return blocks;
+}
+
+/// Where the preconditioner runs each block's work at this world size: the placement chain
+/// it calls itself (kfac/assignment/placement_costs.hpp), with colocated factors.
+template <class Assignment>
+kfac::assignment::distribution_plan plan_of(const model& m, int world, kfac::distribution strategy,
+                                            double grad_worker_fraction) {
+    std::vector<kfac::layer_description> described;
+    for (const auto& l : m.layers) described.push_back(l.description);
+    return kfac::assignment::plan_distribution<Assignment>(kfac::assignment::placement_costs(described), world, strategy,
+                                                           grad_worker_fraction, true);
 }
 
 }  // namespace kfac_bench

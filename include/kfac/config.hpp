@@ -4,6 +4,7 @@
 /// Feature macros (each overridable with -D before the first include), the library's
 /// exception type and its version.
 
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -47,6 +48,21 @@ namespace kfac {
 class error : public std::runtime_error {
 public:
     explicit error(const std::string& what) : std::runtime_error("kfac: " + what) {}
+    /// An error about one registered layer (or block), which the message names too.
+    error(const std::string& what, const std::string& layer)
+        : std::runtime_error("kfac: " + what), layer_(std::make_shared<const std::string>(layer)) {}
+
+    /// The name of the layer the error is about; empty when it is about no one layer.
+    [[nodiscard]] const std::string& layer() const noexcept { return layer_ ? *layer_ : no_layer(); }
+    /// The message without its "kfac: " prefix.
+    [[nodiscard]] std::string message() const { return std::string(what()).substr(6); }
+
+private:
+    static const std::string& no_layer() noexcept {
+        static const std::string none;
+        return none;
+    }
+    std::shared_ptr<const std::string> layer_;  // shared: copying an exception does not throw
 };
 
 }  // namespace kfac

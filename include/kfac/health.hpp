@@ -27,4 +27,12 @@ struct health_counters {
     std::int64_t zeroed_gradients = 0;        ///< layers whose gradient was zeroed for a step
 };
 
+/// Dense factors a rank has computed second-order data for since construction (not saved in
+/// checkpoints): with options.eigenbasis_reuse_tolerance, how many kept their previous
+/// eigenvectors and how many were decomposed (every one without it).
+struct eigenbasis_count {
+    std::int64_t decomposed = 0;
+    std::int64_t reused = 0;
+};
+
 }  // namespace kfac

@@ -130,3 +130,36 @@ TEST_CASE("views that disagree with the layer name the layer, the shapes and the
         CHECK_THROWS_WITH(p.a_factor("nope"), Contains("no layer named 'nope'"));
     }
 }
+
+TEST_CASE("an error about one layer carries the layer's name, and its message names the layer once", "[errors]") {
+    CHECK(kfac::error("about no layer").layer().empty());
+    CHECK(kfac::error("about no layer").message() == "about no layer");
+
+    precond_t p;
+    kfac::layer_view<double> empty;
+    empty.description = kfac::linear_description(0, 3, false);
+    try {
+        p.register_layer("zero", empty);
+        FAIL("register_layer accepted a layer of 0 inputs");
+    } catch (const kfac::error& e) {
+        CHECK(e.layer() == "zero");
+        CHECK_THAT(e.what(), Contains("layer 'zero'") && Contains("positive"));
+    }
+
+    // Raised inside the step's agreed checks, through the per-layer wrapper that names the
+    // layer of an error that does not name one yet.
+    auto l = random_linear<double>(8, 6, 5, true, 1);
+    l.view.input.extents[1] = 7;
+    l.view.input.extents[0] = 6;
+    p.register_layer("fc1", l.view);
+    try {
+        p.step();
+        FAIL("step() accepted activations of the wrong shape");
+    } catch (const kfac::error& e) {
+        CHECK(e.layer() == "fc1");
+        const std::string what = e.what();
+        const auto first = what.find("layer 'fc1'");
+        CHECK(first != std::string::npos);
+        CHECK(what.find("layer 'fc1'", first + 1) == std::string::npos);
+    }
+}

@@ -32,6 +32,9 @@
 ///   static void prepare_full(layer_data&, const layer_description&, const options&);
 ///   // Data of the identity factor, for a rank whose first decomposition failed.
 ///   static void identity_data(layer_data&, const layer_description&, double damping, const options&);
+///   // Whether a dense factor's data holds eigenvectors decomposed now, kept from before, or
+///   // none (eigenbasis_counts()).
+///   static basis_use basis_use_of(const factor_data&);
 /// ```
 
 #include <cstddef>
@@ -88,6 +91,10 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     struct workspace {
         matrix t1, t2;
     };
+
+    static basis_use basis_use_of(const factor_data& f) {
+        return f.reused_basis ? basis_use::reused : basis_use::decomposed;
+    }
 
     static bool compute_factor(const matrix& F, factor_structure structure, double /*damping*/, const options& o,
                                const factor_data& previous, factor_data& out) {

@@ -46,6 +46,9 @@ struct compute_impl<compute::inverse, Backend> {
         matrix t1;
     };
 
+    /// Inverses hold no eigenvectors: nothing to count.
+    static basis_use basis_use_of(const factor_data&) { return basis_use::none; }
+
     static bool compute_factor(const matrix& F, factor_structure structure, double damping, const options&,
                                const factor_data& /*previous*/, factor_data& out) {
         matrix next;

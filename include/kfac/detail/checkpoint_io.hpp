@@ -3,7 +3,7 @@
 /// @file checkpoint_io.hpp
 /// save() and load() of the preconditioner: which rank holds what (the distribution plan),
 /// gathering it onto rank 0, and setting it back on every rank that needs it, at any world
-/// size. The format is kfac/checkpoint/format.hpp. A friend of kfac::preconditioner.
+/// size. The format is kfac/checkpoint/format.hpp. A friend of detail::engine (kfac/detail/engine.hpp), whose fields it reads and sets.
 ///
 /// Save: rank 0 already holds every running factor under KAISA; under DP-KFAC each layer's
 /// owner broadcasts them. Second-order data comes from the rank that computed a layer's G
@@ -39,9 +39,9 @@ constexpr const char* compute_method_name() {
     else return "custom";
 }
 
-template <class Preconditioner>
+template <class Engine>
 struct checkpoint_io {
-    using P = Preconditioner;
+    using P = Engine;
     using backend = typename P::backend_type;
     using scalar = typename P::scalar_type;
     using method = typename P::method;

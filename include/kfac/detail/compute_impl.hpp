@@ -9,6 +9,10 @@ namespace kfac::detail {
 template <class...>
 inline constexpr bool dependent_false = false;
 
+/// How a factor's second-order data came about, for eigenbasis_counts(): its eigenvectors
+/// computed now, kept from the previous computation, or none (a method without eigenvectors).
+enum class basis_use { none, decomposed, reused };
+
 template <class Method, class Backend>
 struct compute_impl {
     static_assert(dependent_false<Method, Backend>,

@@ -1,0 +1,278 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file engine.hpp
+/// The engine behind kfac::preconditioner (as cuCollections' static_map forwards to its
+/// open_addressing_impl): the registered layers, the options and the communicator, and one
+/// named member per phase of a step. This header declares them; the phases are defined out
+/// of the class, one room each, so that a translation unit which instantiates the engine
+/// explicitly compiles them once for every program that declares that instance extern:
+///
+///   engine_registration.hpp   layers in: checks, skip/reduce filters, records
+///   engine_setup.hpp          construction, configuration agreement, placement, reports
+///   engine_read.hpp           the plan phase: scheduled values and the host's views, agreed
+///   engine_factors.hpp        capture, end of pass, running factor averages
+///   engine_second_order.hpp   decompositions or inverses, shared by their owners
+///   engine_precondition.hpp   preconditioning, kl_clip, write-back, commit
+///   engine_checkpoint.hpp     save and load through detail::checkpoint_io
+///
+/// The assignment strategy is not a template argument of the engine: it reaches the planner
+/// as a value (assignment_policy), so one engine serves all three strategies.
+
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <istream>
+#include <optional>
+#include <ostream>
+#include <regex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kfac/assignment/distribution_plan.hpp"
+#include "kfac/assignment/placement_costs.hpp"
+#include "kfac/checkpoint/format.hpp"
+#include "kfac/config.hpp"
+#include "kfac/detail/compute_impl.hpp"
+#include "kfac/detail/configuration_check.hpp"
+#include "kfac/detail/host_staging.hpp"
+#include "kfac/detail/layer_checks.hpp"
+#include "kfac/detail/layer_record.hpp"
+#include "kfac/detail/step_plan.hpp"
+#include "kfac/detail/task_parallel.hpp"
+#include "kfac/health.hpp"
+#include "kfac/layer_info.hpp"
+#include "kfac/options.hpp"
+
+namespace kfac::detail {
+
+/// Block dimensions as the strategies cost them (kfac/assignment/placement_costs.hpp).
+using factor_dims = assignment::block_costs;
+
+/// An assignment strategy as a value: its name (part of the configuration every rank agrees
+/// on) and the planner instantiated for it.
+struct assignment_policy {
+    const char* name = nullptr;
+    assignment::distribution_plan (*plan)(const factor_dims& dims, int world, distribution strategy,
+                                          double grad_worker_fraction, bool colocate_factors) = nullptr;
+};
+
+template <class AssignmentStrategy>
+assignment_policy assignment_policy_of() {
+    return {AssignmentStrategy::name, &assignment::plan_distribution<AssignmentStrategy>};
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+class engine {
+public:
+    using backend_type = Backend;
+    using compute_method = ComputeMethod;
+    using method = compute_impl<ComputeMethod, Backend>;
+    using scalar_type = typename Backend::scalar_type;
+    using matrix = typename Backend::matrix;
+    using layer_record = detail::layer_record<Backend, method>;
+
+    /// Validates the options and compiles the skip/reduce patterns, agreed by every rank.
+    engine(options opts, CommPolicy comm, assignment_policy assignment);
+
+    // ---- registration (engine_registration.hpp) ----
+    template <class Layer>
+    bool register_layer(const std::string& name, Layer& layer);
+    template <class Layer>
+    std::size_t register_layers(const std::vector<std::pair<std::string, Layer*>>& list);
+
+    // ---- a step's phases, in the order step() runs them ----
+    /// What a step met that is counted and reported only when it completes.
+    struct step_outcome {
+        health_counters health{};
+        std::vector<non_finite_event> events;
+        void add(const layer_record& l, non_finite_source source, std::int64_t k,
+                 std::int64_t health_counters::*counter) {
+            ++(health.*counter);
+            events.push_back({l.host.name, source, k});
+        }
+    };
+    /// Single-threaded BLAS for the whole step while `serial` (see setup()).
+    struct blas_threads_guard {
+        std::optional<typename Backend::serial_blas_scope> scope;
+        explicit blas_threads_guard(bool serial) {
+            if (serial) scope.emplace();
+        }
+    };
+
+    /// Once, at the first accumulate()/step(): agreement, placement, groups. Collective.
+    void setup();
+    /// Every scheduled option and every view the step reads, checked by every rank.
+    step_plan read_plan();
+    [[nodiscard]] bool serial_blas() const noexcept { return serial_blas_; }
+    /// This pass's statistics (factor-update steps), then the host's end_pass(), agreed.
+    void finish_pass(bool factor_update);
+    /// accumulate(): the pass folded into the step's statistics.
+    void accumulate();
+    /// Running averages of the factors, averaged over ranks.
+    void update_factors(const step_plan& plan, step_outcome& outcome);
+    /// Second-order data of the factors this rank owns, shared with the others.
+    void update_second_order(const step_plan& plan, step_outcome& outcome);
+    /// Pᵀ of every layer, shared from the gradient workers; unusable layers zeroed.
+    void precondition_all(const step_plan& plan, step_outcome& outcome);
+    /// ν = min(1, √(κ / |η² Σ_layers ⟨P, Γ⟩|)), 1 without kl_clip or when the sum is 0.
+    [[nodiscard]] double kl_clip_scale(const step_plan& plan) const;
+    /// The host's gradient buffers ← ν · Pᵀ.
+    void write_back(double scale);
+    /// Counts the step and the health counters, then reports the non-finite events.
+    void commit(const step_plan& plan, double scale, step_outcome outcome);
+
+    // ---- checkpoints (engine_checkpoint.hpp) ----
+    void save(const std::filesystem::path& path, const checkpoint::save_options& o);
+    [[nodiscard]] std::string save_bytes(const checkpoint::save_options& o);
+    void save(std::ostream& out, const checkpoint::save_options& o);
+    void load(const std::filesystem::path& path, const checkpoint::load_options& o);
+    void load_bytes(std::string_view bytes, const checkpoint::load_options& o);
+    void load(std::istream& in, const checkpoint::load_options& o);
+
+    // ---- reports (engine_setup.hpp) ----
+    [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
+    [[nodiscard]] std::size_t layer_count() const noexcept { return layers_.size(); }
+    [[nodiscard]] bool is_registered(const std::string& name) const;
+    [[nodiscard]] const layer_record& find(const std::string& name) const { return layers_[index_of(name)]; }
+    [[nodiscard]] double last_kl_scale() const noexcept { return last_kl_scale_; }
+    [[nodiscard]] const health_counters& health() const noexcept { return health_; }
+    [[nodiscard]] eigenbasis_count eigenbasis_counts() const noexcept { return bases_; }
+    void on_non_finite(std::function<void(const non_finite_event&)> callback) { on_non_finite_ = std::move(callback); }
+    [[nodiscard]] const options& get_options() const noexcept { return options_; }
+    [[nodiscard]] assignment::factor_workers workers(const std::string& name) const;
+    [[nodiscard]] std::vector<layer_info> layers() const;
+    [[nodiscard]] memory_report memory_usage() const;
+    [[nodiscard]] std::string strategy_name() const;
+    [[nodiscard]] const CommPolicy& comm() const noexcept { return comm_; }
+    [[nodiscard]] CommPolicy& comm() noexcept { return comm_; }
+
+private:
+    using group = typename CommPolicy::group;
+    template <class>
+    friend struct checkpoint_io;
+
+    // registration (engine_registration.hpp)
+    template <class Layer>
+    std::vector<layer_record> make_records(const std::string& name, Layer& layer,
+                                           const std::vector<layer_record>& pending) const;
+    static void check_backend_supports(const std::string& name, const layer_description& d);
+    static matrix identity_factor(const layer_description& d);
+    [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const;
+    [[nodiscard]] std::size_t index_of(const std::string& name) const;
+
+    // configuration and placement (engine_setup.hpp)
+    void check_eigenbasis_reuse_supported() const;
+    [[nodiscard]] std::vector<config_item> configuration() const;
+    void check_configuration_agrees();
+    void check_items_agree(const std::vector<config_item>& items, const std::string& subject, const std::string& fix);
+    [[nodiscard]] assignment::distribution_plan distribution() const;
+    [[nodiscard]] assignment::distribution_plan placement() const;
+
+    // the plan phase (engine_read.hpp)
+    [[nodiscard]] bool has_schedule() const;
+    void agree_on_scheduled_values(const step_plan& plan);
+    void agree_on_gradient_presence();
+    void check_statistics();
+    void check_some_layer_applied() const;
+    void check_gradients();
+    static constexpr const char* schedule_fix =
+        "A schedule must return the same value on every rank: compute it from the step number and values every "
+        "rank shares, not from a rank's own clock or random state";
+
+    // statistics and factors (engine_factors.hpp)
+    [[nodiscard]] scalar_type total_rows(const layer_record& l) const;
+    [[nodiscard]] std::int64_t total_applications(const layer_record& l) const;
+    void capture_pass();
+    task unit_wise_statistic_task(layer_record& l, std::vector<tensor_view<const scalar_type>> a,
+                                  std::vector<tensor_view<const scalar_type>> g, std::int64_t folded, double elements);
+    static scalar_type first_beta(std::int64_t folded_before, std::size_t i);
+    void end_pass();
+    static bool unit_wise(const layer_record& l);
+    static bool a_statistic_finite(const layer_record& l);
+    static void scale_a_statistic(layer_record& l, scalar_type s);
+    static void average_a_factor(layer_record& l, scalar_type decay, scalar_type weight);
+
+    // second-order data and preconditioning
+    void count_bases(const layer_record& l, const typename method::factor_data& a,
+                     const typename method::factor_data& g);
+    static void load_gradient(layer_record& l);
+    static void store_gradient(layer_record& l, scalar_type scale);
+
+    // checkpoints
+    void load_from(std::string bytes, const std::string& source, const checkpoint::load_options& o);
+
+    /// Runs work that can fail on some ranks only (checks, local computation) and raises the
+    /// first failure on every rank, so that no rank goes on into a collective that a failed
+    /// rank will never join. Collective; free with one rank.
+    /// The rank whose failure is raised keeps the layer its error names (error::layer()).
+    template <class Work>
+    void agree_on(Work&& work) {
+        std::optional<std::string> failure;
+        std::string layer;
+        try {
+            work();
+        } catch (const error& e) {
+            failure = e.message();
+            layer = e.layer();
+        } catch (const std::exception& e) {
+            if (comm_.size() == 1) throw;  // alone, the original exception is the best report
+            failure = e.what();
+        }
+        if (auto agreed = comm_.agree(failure)) {
+            if (!layer.empty() && agreed == failure) throw error(*agreed, layer);
+            throw error(*agreed);
+        }
+    }
+
+    /// Runs backend work of one layer; a backend failure (a CUDA status, say) is rethrown
+    /// with the layer named, since the backend itself sees matrices, not layers. An error
+    /// that already names its layer (error::layer()) passes as it is.
+    template <class F>
+    static void in_layer(const layer_record& l, F&& f) {
+        try {
+            f();
+        } catch (const error& e) {
+            if (!e.layer().empty()) throw;
+            throw layer_error(named(l), e.message());
+        }
+    }
+    /// A record as its errors name it (kfac/detail/layer_checks.hpp).
+    static named_layer named(const layer_record& l) {
+        return {l.host.name, describe_layer(l.host.name, l.host.description)};
+    }
+
+    static constexpr bool device_backend = device_resident<Backend>;
+    static constexpr device_memory_probe device_probe = [] {
+        if constexpr (requires(const void* p) { Backend::points_to_device_memory(p); })
+            return &Backend::points_to_device_memory;
+        else
+            return device_memory_probe{nullptr};
+    }();
+
+    options options_;
+    CommPolicy comm_;
+    assignment_policy assignment_;
+    std::vector<std::regex> skip_patterns_;
+    std::vector<std::regex> reduce_patterns_;  // options.reduce_layers
+    std::vector<layer_record> layers_;
+    std::int64_t steps_ = 0;
+    std::int64_t passes_ = 0;       // forward/backward passes folded into the current statistics
+    bool applied_in_step_ = false;  // some layer was applied in a pass accumulate() folded in
+    bool started_ = false;
+    double last_kl_scale_ = 1.0;
+    double second_order_damping_ = 0.0;  // of the last inverse update (checkpoints record it)
+    health_counters health_{};
+    eigenbasis_count bases_{};
+    std::function<void(const non_finite_event&)> on_non_finite_;
+    host_staging<Backend> staging_{};       // device data through host memory for comm
+    assignment::distribution_plan plan_{};  // where each layer's work runs (from setup())
+    group column_group_{};
+    group gradient_group_{};
+    int threads_ = 1;
+    bool serial_blas_ = false;  // the whole step with single-threaded BLAS (several ranks)
+};
+
+}  // namespace kfac::detail

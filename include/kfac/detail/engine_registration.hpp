@@ -1,0 +1,178 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file engine_registration.hpp
+/// Layers in: the checks of a description against the backend and the layers already
+/// registered, the skip and reduce filters (compiled once, at construction), and the records a
+/// layer becomes: one, or one per group of a grouped convolution.
+
+#include <limits>
+#include <regex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kfac/backend/diagonal_factors.hpp"
+#include "kfac/backend/unit_wise_factors.hpp"
+#include "kfac/detail/engine.hpp"
+#include "kfac/detail/layer_binding.hpp"
+#include "kfac/layers/any_layer.hpp"
+#include "kfac/layers/layer_traits.hpp"
+
+namespace kfac::detail {
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+template <class Layer>
+bool engine<Backend, CommPolicy, ComputeMethod>::register_layer(const std::string& name, Layer& layer) {
+    auto records = make_records(name, layer, {});
+    if (records.empty()) return false;
+    for (auto& r : records) layers_.push_back(std::move(r));
+    return true;
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+template <class Layer>
+std::size_t engine<Backend, CommPolicy, ComputeMethod>::register_layers(
+    const std::vector<std::pair<std::string, Layer*>>& list) {
+    std::vector<layer_record> records;
+    records.reserve(list.size());
+    std::size_t registered = 0;
+    for (const auto& [name, layer] : list) {
+        if (layer == nullptr) throw error("layer '" + name + "': register_layers() was given a null layer");
+        auto blocks = make_records(name, *layer, records);
+        registered += blocks.empty() ? 0 : 1;
+        for (auto& r : blocks) records.push_back(std::move(r));
+    }
+    layers_.reserve(layers_.size() + records.size());
+    for (auto& r : records) layers_.push_back(std::move(r));
+    return registered;
+}
+
+/// The checked records of `layer` (none when options.skip_layers matches it), also checked
+/// against `pending`, records about to be registered with it: one record, or one per group
+/// of a grouped convolution. Changes nothing.
+template <class Backend, class CommPolicy, class ComputeMethod>
+template <class Layer>
+auto engine<Backend, CommPolicy, ComputeMethod>::make_records(const std::string& name, Layer& layer,
+                                                              const std::vector<layer_record>& pending) const
+    -> std::vector<layer_record> {
+    static_assert(detail::check_layer_adapter<Layer>());
+    if constexpr (layer_adapter<Layer>) {
+        using traits = layer_traits<Layer>;
+        static_assert(std::is_same_v<typename traits::scalar_type, scalar_type>,
+                      "kfac: the layer's layer_traits<Layer>::scalar_type differs from the "
+                      "backend's scalar type; use a double backend (cpu_eigen<double>, cuda<double>) "
+                      "for double layers and a float one for float layers.");
+        if (steps_ > 0 || started_)
+            throw error("layer '" + name +
+                        "': register_layer() after the first accumulate() "
+                        "or step(); register every layer before training starts");
+        const void* object = detail::bind_layer<scalar_type>(layer).layer;
+        layer_description d = traits::describe(layer);
+        const std::int64_t groups = d.groups() > 1 ? d.groups() : 1;
+        const std::string block_prefix = name + "/group";
+        auto block_name = [&](std::int64_t j) { return groups == 1 ? name : block_prefix + std::to_string(j); };
+        // Taken: the name itself, or (for a grouped layer) any "<name>/group..." record name;
+        // one comparison per registered record, however many groups either layer has.
+        for (const auto* registered : {&layers_, &pending})
+            for (const auto& l : *registered) {
+                const bool taken = l.host.name == name || l.host.registered_name == name ||
+                                   (groups > 1 && l.host.name.rfind(block_prefix, 0) == 0);
+                if (taken)
+                    throw error("layer '" + name +
+                                "' is already registered; give each layer a "
+                                "unique name");
+                // Two registrations of one object would fold its statistics in twice and
+                // precondition its gradient twice.
+                if (l.host.layer == object)
+                    throw error("layer '" + name + "': this layer object is already registered as '" +
+                                l.host.registered_name + "'; register each layer object once, under one name");
+            }
+        if (skipped(name, d.kind)) return {};
+        // An Embedding has no positions to share a weight over: its rows are the tokens.
+        for (const auto& re : reduce_patterns_)
+            if (d.kind != layer_kind::embedding && std::regex_search(name, re)) d.sharing = weight_sharing::reduce;
+        detail::check_description(name, d);
+        check_backend_supports(name, d);
+        std::vector<layer_record> records(static_cast<std::size_t>(d.groups()));
+        for (std::int64_t j = 0; j < d.groups(); ++j) {
+            auto& r = records[static_cast<std::size_t>(j)];
+            r.host = detail::bind_layer<scalar_type>(layer);
+            r.host.name = block_name(j);
+            r.host.registered_name = name;
+            r.host.group = j;
+            r.host.description = d;
+            const auto g = d.g_factor_dim();
+            r.state.a_factor = identity_factor(d);
+            r.state.g_factor = Backend::identity(g);
+            r.state.a_sum = Backend::zeros(d.a_storage_rows(), d.a_storage_cols());
+            r.state.g_sum = Backend::zeros(g, g);
+        }
+        return records;
+    }
+    return {};
+}
+
+/// What this backend and scalar type cannot hold, refused by name before registration.
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::check_backend_supports(const std::string& name,
+                                                                        const layer_description& d) {
+    const named_layer who{name, describe_layer(name, d)};
+    if constexpr (requires { Backend::unsupported_layer(d); }) {
+        const std::string why = Backend::unsupported_layer(d);
+        if (!why.empty()) throw layer_error(who, why);
+    }
+    const bool diagonal = d.a_structure() == factor_structure::diagonal || d.weight_is_in_by_out();
+    if (diagonal && !detail::backend_with_diagonal_factors<Backend>)
+        throw layer_error(
+            who,
+            "this backend has no diagonal factors (kfac/backend/diagonal_factors.hpp), which an "
+            "Embedding needs; use kfac::backend::cpu_eigen, or exclude the layer with options.skip_layers");
+    if (d.a_structure() == factor_structure::unit_wise && !detail::backend_with_unit_wise_factors<Backend>)
+        throw layer_error(who,
+                          std::string("this backend has no unit-wise factors (kfac/backend/unit_wise_factors.hpp), "
+                                      "which a ") +
+                              kind_name(d.kind) +
+                              "'s scale and shift need; use kfac::backend::cpu_eigen, or exclude the "
+                              "layer with options.skip_layers");
+    // Token ids travel as scalars: past 2^digits a float or double no longer holds every integer.
+    constexpr std::int64_t exact_ids = std::int64_t{1} << std::numeric_limits<scalar_type>::digits;
+    // A group's channels are gathered from the host's views in host memory (group_views.hpp).
+    if (d.groups() > 1 && device_backend)
+        throw layer_error(who,
+                          "a grouped convolution's blocks read their channels from host memory, which this "
+                          "device backend does not; use kfac::backend::cpu_eigen, or exclude the layer with "
+                          "options.skip_layers");
+    if (d.kind == layer_kind::embedding && d.in > exact_ids)
+        throw layer_error(who, std::to_string(d.in) +
+                                   " token ids do not all fit exactly in the scalar type "
+                                   "(its integers are exact up to " +
+                                   std::to_string(exact_ids) + "); use a double backend");
+}
+
+/// A running factor before its first update: the identity (a column of ones when diagonal,
+/// identity blocks when unit-wise).
+template <class Backend, class CommPolicy, class ComputeMethod>
+auto engine<Backend, CommPolicy, ComputeMethod>::identity_factor(const layer_description& d) -> matrix {
+    if (d.a_structure() == factor_structure::diagonal) return Backend::ones(d.a_dim());
+    if constexpr (detail::backend_with_unit_wise_factors<Backend>)
+        if (d.a_structure() == factor_structure::unit_wise) return Backend::unit_wise_identity(d.g_dim(), d.a_dim());
+    return Backend::identity(d.a_dim());
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+bool engine<Backend, CommPolicy, ComputeMethod>::skipped(const std::string& name, layer_kind kind) const {
+    const char* lower = kind_name(kind);
+    const char* pytorch = pytorch_module_name(kind);
+    for (const auto& re : skip_patterns_)
+        if (std::regex_search(name, re) || std::regex_search(lower, re) || std::regex_search(pytorch, re)) return true;
+    return false;
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+std::size_t engine<Backend, CommPolicy, ComputeMethod>::index_of(const std::string& name) const {
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+        if (layers_[i].host.name == name) return i;
+    throw error("no layer named '" + name + "' is registered");
+}
+
+}  // namespace kfac::detail
