@@ -53,6 +53,7 @@ template <class Assignment>
 void check_model_placement(const kfac_bench::model& m, const std::string& model_name) {
     std::vector<kfac::layer_view<float>> views(m.layers.size());
     for (std::size_t i = 0; i < m.layers.size(); ++i) views[i].description = m.layers[i].description;
+    const auto blocks = kfac_bench::blocks_of(m);
     for (int world : {1, 2, 3, 4, 8}) {
         for (const auto& s : strategies_for(world)) {
             INFO(model_name << ", " << Assignment::name << ", world " << world << ", "
@@ -68,7 +69,6 @@ void check_model_placement(const kfac_bench::model& m, const std::string& model_
             for (std::size_t i = 0; i < views.size(); ++i) precond.register_layer(m.layers[i].name, views[i]);
             const auto reported = precond.layers();
             const auto planned = kfac_bench::plan_of<Assignment>(m, world, s.kind, s.fraction);
-            const auto blocks = kfac_bench::blocks_of(m);
             REQUIRE(reported.size() == blocks.size());
             REQUIRE(planned.layers.size() == blocks.size());
             for (std::size_t i = 0; i < blocks.size(); ++i) {

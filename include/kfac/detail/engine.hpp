@@ -48,14 +48,11 @@
 
 namespace kfac::detail {
 
-/// Block dimensions as the strategies cost them (kfac/assignment/placement_costs.hpp).
-using factor_dims = assignment::block_costs;
-
 /// An assignment strategy as a value: its name (part of the configuration every rank agrees
 /// on) and the planner instantiated for it.
 struct assignment_policy {
     const char* name = nullptr;
-    assignment::distribution_plan (*plan)(const factor_dims& dims, int world, distribution strategy,
+    assignment::distribution_plan (*plan)(const assignment::block_costs& costs, int world, distribution strategy,
                                           double grad_worker_fraction, bool colocate_factors) = nullptr;
 };
 
