@@ -21,9 +21,9 @@ TEST_CASE("host staging downloads what is sent and uploads what is received", "[
     std::vector<double> send(5), receive(7, -1.0), big(100, 3.0);
     std::iota(send.begin(), send.end(), 1.0);
     for (int round = 0; round < 3; ++round) {
-        double* s = staging.stage(send.data(), send.size(), true, false);
-        double* r = staging.stage(receive.data(), receive.size(), false, true);
-        double* b = staging.stage(big.data(), big.size(), true, true);  // beyond the first chunk
+        double* s = staging.stage(send.data(), send.size(), kfac::detail::transfer::send);
+        double* r = staging.stage(receive.data(), receive.size(), kfac::detail::transfer::receive);
+        double* b = staging.stage(big.data(), big.size(), kfac::detail::transfer::send_and_receive);  // beyond the first chunk
         REQUIRE(s != send.data());
         CHECK(std::equal(send.begin(), send.end(), s));  // downloaded at stage()
         CHECK(b[99] == 3.0);
@@ -43,7 +43,7 @@ TEST_CASE("host staging downloads what is sent and uploads what is received", "[
 TEST_CASE("host backends compile staging away", "[staging]") {
     kfac::detail::host_staging<kfac::backend::cpu_eigen<float>> staging;
     std::vector<float> v(4);
-    CHECK(staging.stage(v.data(), v.size(), true, true) == v.data());
+    CHECK(staging.stage(v.data(), v.size(), kfac::detail::transfer::send_and_receive) == v.data());
     staging.complete();
     CHECK(staging.bytes_staged() == 0);
 }

@@ -77,7 +77,7 @@ mat<T> factor_statistic(const kfac::layer_description& d, const std::vector<T>& 
     using backend = kfac::backend::cpu_eigen<T>;
     const bool a = side == factor_side::a;
     const auto n = a ? d.a_dim() : d.g_dim();
-    const auto cols = a ? d.a_storage_cols() : n;
+    const auto cols = a ? kfac::blocks::layout_of(d).a_cols : n;
     mat<T> sum = mat<T>::Constant(n, cols, std::numeric_limits<T>::quiet_NaN());
     typename backend::workspace ws;
     const auto view = kfac::detail::statistic_view(d, kfac::tensor_view<const T>::from_extents(x.data(), shape));

@@ -9,11 +9,11 @@
 /// which the preconditioner and `kfac_schedule_study` both call, so that both place the same
 /// blocks on the same ranks (a grouped convolution of g groups is g blocks in both).
 
-#include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "kfac/blocks/kinds.hpp"
 #include "kfac/layers/layer_description.hpp"
 
 namespace kfac::assignment {
@@ -22,19 +22,15 @@ namespace kfac::assignment {
 using block_costs = std::vector<std::pair<std::int64_t, std::int64_t>>;
 
 /// One entry per block: groups() entries for a grouped convolution (each group's block has the
-/// same shape), one for any other layer. A dense factor counts by its dimension; a diagonal or
-/// unit-wise one of n stored entries as the dense ⌈√n⌉ × ⌈√n⌉ that holds as many (its storage;
-/// its O(n) work is smaller still).
+/// same shape), one for any other layer; each as its block kind weighs it (block_layout::
+/// placement: a dense factor by its dimension, a diagonal or unit-wise one of n stored entries
+/// as the dense ⌈√n⌉ × ⌈√n⌉ that holds as many).
 [[nodiscard]] inline block_costs placement_costs(const std::vector<layer_description>& layers) {
     block_costs costs;
     for (const auto& d : layers) {
-        auto a = d.a_dim();
-        if (d.a_structure() != factor_structure::dense) {
-            const auto stored = static_cast<double>(d.a_storage_rows() * d.a_storage_cols());
-            a = static_cast<std::int64_t>(std::ceil(std::sqrt(stored)));
-        }
+        const auto cost = blocks::layout_of(d).placement;
         const std::int64_t blocks = d.groups() > 1 ? d.groups() : 1;
-        for (std::int64_t j = 0; j < blocks; ++j) costs.emplace_back(a, d.g_factor_dim());
+        for (std::int64_t j = 0; j < blocks; ++j) costs.push_back(cost);
     }
     return costs;
 }

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "kfac/blocks/block.hpp"
 #include "kfac/checkpoint/format.hpp"
 #include "kfac/checkpoint/safetensors.hpp"
 #include "kfac/checkpoint/value_checks.hpp"
@@ -63,14 +64,14 @@ struct checkpoint_io {
             const auto& place = p.plan_.layers[i];
             const auto& d = l.host.description;
             const int factor_source = place.factor_holders.front();
-            gather(p, l.state.a_factor, d.a_storage_rows(), d.a_storage_cols(), factor_source, writer, a,
-                   l.host.name + ".A", a_factor_rank(d));
-            gather(p, l.state.g_factor, d.g_factor_dim(), d.g_factor_dim(), factor_source, writer, a, l.host.name + ".G", 2);
+            const blocks::block_layout b = l.block->layout(d);
+            gather(p, l.state.a_factor, b.a_rows, b.a_cols, factor_source, writer, a, l.host.name + ".A", b.a_tensor_rank);
+            gather(p, l.state.g_factor, b.g_dim, b.g_dim, factor_source, writer, a, l.host.name + ".G", 2);
             if (!second) continue;
             // Every rank walks the same list of tensors: the source its own data, the others
             // empty stand-ins of the same sizes.
             typename method::layer_data expected{};
-            method::prepare_full(expected, d, p.options_);
+            l.block->prepare_full(expected, d, p.options_);
             const bool source = p.comm_.rank() == place.g_worker;
             std::vector<std::pair<const char*, std::pair<std::int64_t, std::int64_t>>> shapes;
             method::for_each_tensor(expected, [&](const char* name, const auto& x, int) {
@@ -98,12 +99,6 @@ struct checkpoint_io {
         if (!writer) return std::nullopt;
         describe(p, o, a);
         return a;
-    }
-
-    /// A diagonal A factor is saved as the vector of its diagonal; unit-wise blocks as their
-    /// C × k(k+1)/2 matrix, a normalisation layer's G as the 1 × 1 identity.
-    static int a_factor_rank(const layer_description& d) {
-        return d.a_structure() == factor_structure::diagonal ? 1 : 2;
     }
 
     /// One tensor onto rank 0, from `source` (a broadcast when the source is another rank).
@@ -245,11 +240,14 @@ struct checkpoint_io {
         for (const auto& l : p.layers_) {
             const auto& d = l.host.description;
             const auto& name = l.host.name;
-            const auto a_rows = d.a_storage_rows(), a_cols = d.a_storage_cols(), g_dim = d.g_factor_dim();
-            const auto* ta = take(name, name + ".A", checkpoint::stored_shape(a_rows, a_cols, a_factor_rank(d)));
+            // The block's storage: a diagonal A is saved as the vector of its diagonal, unit-wise
+            // blocks as their C × k(k+1)/2 matrix, a normalisation layer's G as the 1 × 1 identity.
+            const blocks::block_layout b = l.block->layout(d);
+            const auto a_rows = b.a_rows, a_cols = b.a_cols, g_dim = b.g_dim;
+            const auto* ta = take(name, name + ".A", checkpoint::stored_shape(a_rows, a_cols, b.a_tensor_rank));
             const auto* tg = take(name, name + ".G", {g_dim, g_dim});
-            check_values(name, *ta, a_cols, d.a_structure());
-            check_values(name, *tg, g_dim, d.g_structure());
+            check_values(name, *ta, a_cols, b.a_structure);
+            check_values(name, *tg, g_dim, b.g_structure);
             auto& fa = s.a_factor.emplace_back();
             auto& fg = s.g_factor.emplace_back();
             if (l.role.holds_factors) {
@@ -259,7 +257,7 @@ struct checkpoint_io {
             auto& second = s.second.emplace_back();
             if (!file_has_second) continue;
             typename method::layer_data data{};
-            method::prepare_full(data, d, p.options_);
+            l.block->prepare_full(data, d, p.options_);
             const bool mine = use_file_second && l.role.grad_worker;
             method::for_each_tensor(data, [&](const char* suffix, auto& x, int rank) {
                 const auto rows = static_cast<std::int64_t>(x.rows()), cols = static_cast<std::int64_t>(x.cols());

@@ -9,6 +9,9 @@ namespace kfac::detail {
 template <class...>
 inline constexpr bool dependent_false = false;
 
+/// One side of a layer's Kronecker factorisation: A (activations) or G (output gradients).
+enum class factor_side { a, g };
+
 /// How a factor's second-order data came about, for eigenbasis_counts(): its eigenvectors
 /// computed now, kept from the previous computation, or none (a method without eigenvectors).
 enum class basis_use { none, decomposed, reused };

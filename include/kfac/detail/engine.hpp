@@ -16,7 +16,28 @@
 ///   engine_checkpoint.hpp     save and load through detail::checkpoint_io
 ///
 /// The assignment strategy is not a template argument of the engine: it reaches the planner
-/// as a value (assignment_policy), so one engine serves all three strategies.
+/// as a value (assignment_policy), so one engine serves all three strategies. What depends on
+/// a layer's factor structure is its block's (kfac/blocks/block.hpp): no phase branches on it.
+///
+/// **Collective order.** Every rank issues the same collectives in the same order, or a
+/// collective waits forever. A phase's collectives, in the order its member issues them
+/// (agree: an agree_on() vote, an allreduce of the first failure; one group is the world unless
+/// named):
+///
+///   setup (once)        agree (threads), configuration digest (allgather; on a difference a
+///                       broadcast and an agree), agree (placement), split (column group),
+///                       split (gradient group, KAISA)
+///   read_plan           agree (options and views), scheduled values' digest (as the
+///                       configuration's, when a schedule is set), allreduce_max (which layers
+///                       have gradients)
+///   finish_pass         agree (statistics, factor-update steps), agree (end_pass)
+///   update_factors      allreduce_sum of every statistic and the rows weights, bucketed (KAISA
+///                       with several ranks; none otherwise)
+///   update_second_order agree (decompositions), then per layer in registration order whose data
+///                       is shared: broadcasts of the A payloads, then the G payloads (column group)
+///   precondition_all    agree (preconditioning), per layer in order whose gradient is shared:
+///                       a broadcast of Pᵀ (gradient group), then allreduce_max (unusable layers)
+///   kl_clip_scale, write_back, commit: none (every rank holds every Pᵀ)
 
 #include <cstdint>
 #include <exception>
@@ -33,6 +54,7 @@
 
 #include "kfac/assignment/distribution_plan.hpp"
 #include "kfac/assignment/placement_costs.hpp"
+#include "kfac/blocks/kinds.hpp"
 #include "kfac/checkpoint/format.hpp"
 #include "kfac/config.hpp"
 #include "kfac/detail/compute_impl.hpp"
@@ -156,7 +178,6 @@ private:
     std::vector<layer_record> make_records(const std::string& name, Layer& layer,
                                            const std::vector<layer_record>& pending) const;
     static void check_backend_supports(const std::string& name, const layer_description& d);
-    static matrix identity_factor(const layer_description& d);
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const;
     [[nodiscard]] std::size_t index_of(const std::string& name) const;
 
@@ -183,20 +204,11 @@ private:
     [[nodiscard]] scalar_type total_rows(const layer_record& l) const;
     [[nodiscard]] std::int64_t total_applications(const layer_record& l) const;
     void capture_pass();
-    task unit_wise_statistic_task(layer_record& l, std::vector<tensor_view<const scalar_type>> a,
-                                  std::vector<tensor_view<const scalar_type>> g, std::int64_t folded, double elements);
-    static scalar_type first_beta(std::int64_t folded_before, std::size_t i);
     void end_pass();
-    static bool unit_wise(const layer_record& l);
-    static bool a_statistic_finite(const layer_record& l);
-    static void scale_a_statistic(layer_record& l, scalar_type s);
-    static void average_a_factor(layer_record& l, scalar_type decay, scalar_type weight);
 
-    // second-order data and preconditioning
+    // second-order data
     void count_bases(const layer_record& l, const typename method::factor_data& a,
                      const typename method::factor_data& g);
-    static void load_gradient(layer_record& l);
-    static void store_gradient(layer_record& l, scalar_type scale);
 
     // checkpoints
     void load_from(std::string bytes, const std::string& source, const checkpoint::load_options& o);
@@ -235,6 +247,10 @@ private:
             if (!e.layer().empty()) throw;
             throw layer_error(named(l), e.message());
         }
+    }
+    /// A task of one layer's work, its failures named as in_layer() names them.
+    static task layer_task(const layer_record& l, task t) {
+        return {t.cost, [&l, run = std::move(t.run)] { in_layer(l, run); }};
     }
     /// A record as its errors name it (kfac/detail/layer_checks.hpp).
     static named_layer named(const layer_record& l) {

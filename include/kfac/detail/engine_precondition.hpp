@@ -10,7 +10,6 @@
 #include <exception>
 #include <vector>
 
-#include "kfac/backend/diagonal_factors.hpp"
 #include "kfac/detail/engine.hpp"
 
 namespace kfac::detail {
@@ -24,15 +23,9 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
     std::vector<detail::task> tasks;
     for (auto& l : layers_) {
         if (!l.scratch.active) continue;  // no gradient: nothing to precondition or share
-        const auto& d = l.host.description;
-        const double n_a = static_cast<double>(d.a_dim()), n_g = static_cast<double>(d.g_dim());
-        const double a_side = d.a_structure() == factor_structure::diagonal ? 1.0 : n_a;  // a row scaling
-        // Unit-wise blocks: an a_dim × a_dim product per channel, no G side.
-        const double cost =
-            d.a_structure() == factor_structure::unit_wise ? n_a * n_a * n_g : n_a * n_g * (a_side + n_g);
-        tasks.push_back({cost, [&l, damping, this] {
+        tasks.push_back({l.block->precondition_cost(l.host.description), [&l, damping, this] {
                              in_layer(l, [&] {
-                                 load_gradient(l);
+                                 l.block->load_gradient(l);
                                  if (!l.role.grad_worker)
                                      l.scratch.preconditioned.resize(l.host.description.a_dim(),
                                                                      l.host.description.g_dim());
@@ -40,8 +33,8 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
                                      l.scratch.preconditioned =
                                          Backend::zeros(l.host.description.a_dim(), l.host.description.g_dim());
                                  else if (l.state.has_second)
-                                     method::precondition(l.state.second, l.scratch.gamma, damping, options_,
-                                                          l.scratch.method_ws, l.scratch.preconditioned);
+                                     l.block->precondition(l.state.second, l.scratch.gamma, damping, options_,
+                                                           l.scratch.method_ws, l.scratch.preconditioned);
                                  else
                                      l.scratch.preconditioned = l.scratch.gamma;  // no second-order data yet: plain SGD
                              });
@@ -51,7 +44,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
     for (auto& l : layers_)
         if (l.role.share_gradient && l.scratch.active) {
             const auto n = static_cast<std::size_t>(l.scratch.preconditioned.size());
-            comm_.broadcast(staging_.stage(l.scratch.preconditioned.data(), n, l.role.grad_worker, !l.role.grad_worker),
+            comm_.broadcast(staging_.stage(l.scratch.preconditioned.data(), n, broadcast_transfer(l.role.grad_worker)),
                             n, l.role.grad_root, gradient_group_);
         }
     comm_.wait();
@@ -70,26 +63,6 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
     }
 }
 
-/// l.scratch.gamma ← Γᵀ (A_dim × G_dim) from the host's gradient views (read by
-/// check_gradients(): the record's group rows of the layer's).
-template <class Backend, class CommPolicy, class ComputeMethod>
-void engine<Backend, CommPolicy, ComputeMethod>::load_gradient(layer_record& l) {
-    const auto w = as_const(l.scratch.weight_gradient);
-    if constexpr (detail::backend_with_diagonal_factors<Backend>)
-        if (l.host.description.weight_is_in_by_out()) return Backend::load_gradient_transposed(l.scratch.gamma, w);
-    Backend::load_gradient(l.scratch.gamma, w, as_const(l.scratch.bias_gradient));
-}
-
-/// The host's gradient views ← scale · Pᵀ, as load_gradient read them.
-template <class Backend, class CommPolicy, class ComputeMethod>
-void engine<Backend, CommPolicy, ComputeMethod>::store_gradient(layer_record& l, scalar_type scale) {
-    const auto& w = l.scratch.weight_gradient;
-    if constexpr (detail::backend_with_diagonal_factors<Backend>)
-        if (l.host.description.weight_is_in_by_out())
-            return Backend::store_gradient_transposed(l.scratch.preconditioned, scale, w);
-    Backend::store_gradient(l.scratch.preconditioned, scale, w, l.scratch.bias_gradient);
-}
-
 /// ν = min(1, √(κ / |η² Σ_layers ⟨P, Γ⟩|)), 1 without kl_clip or when the sum is 0.
 template <class Backend, class CommPolicy, class ComputeMethod>
 double engine<Backend, CommPolicy, ComputeMethod>::kl_clip_scale(const step_plan& plan) const {
@@ -105,7 +78,7 @@ double engine<Backend, CommPolicy, ComputeMethod>::kl_clip_scale(const step_plan
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::write_back(double scale) {
     for (auto& l : layers_)
-        if (l.scratch.active) in_layer(l, [&] { store_gradient(l, static_cast<scalar_type>(scale)); });
+        if (l.scratch.active) in_layer(l, [&] { l.block->store_gradient(l, static_cast<scalar_type>(scale)); });
 }
 
 /// The step is done: count it, then tell the host what was contained. The callback runs

@@ -11,8 +11,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "kfac/backend/diagonal_factors.hpp"
-#include "kfac/backend/unit_wise_factors.hpp"
 #include "kfac/detail/engine.hpp"
 #include "kfac/detail/layer_binding.hpp"
 #include "kfac/layers/any_layer.hpp"
@@ -101,11 +99,9 @@ auto engine<Backend, CommPolicy, ComputeMethod>::make_records(const std::string&
             r.host.registered_name = name;
             r.host.group = j;
             r.host.description = d;
-            const auto g = d.g_factor_dim();
-            r.state.a_factor = identity_factor(d);
-            r.state.g_factor = Backend::identity(g);
-            r.state.a_sum = Backend::zeros(d.a_storage_rows(), d.a_storage_cols());
-            r.state.g_sum = Backend::zeros(g, g);
+            r.block = &blocks::block_for<Backend, method>(d);
+            r.block->start(r.state, d);
+            r.block->clear_statistic(r.statistics, d);
         }
         return records;
     }
@@ -121,42 +117,13 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_backend_supports(const st
         const std::string why = Backend::unsupported_layer(d);
         if (!why.empty()) throw layer_error(who, why);
     }
-    const bool diagonal = d.a_structure() == factor_structure::diagonal || d.weight_is_in_by_out();
-    if (diagonal && !detail::backend_with_diagonal_factors<Backend>)
-        throw layer_error(
-            who,
-            "this backend has no diagonal factors (kfac/backend/diagonal_factors.hpp), which an "
-            "Embedding needs; use kfac::backend::cpu_eigen, or exclude the layer with options.skip_layers");
-    if (d.a_structure() == factor_structure::unit_wise && !detail::backend_with_unit_wise_factors<Backend>)
-        throw layer_error(who,
-                          std::string("this backend has no unit-wise factors (kfac/backend/unit_wise_factors.hpp), "
-                                      "which a ") +
-                              kind_name(d.kind) +
-                              "'s scale and shift need; use kfac::backend::cpu_eigen, or exclude the "
-                              "layer with options.skip_layers");
-    // Token ids travel as scalars: past 2^digits a float or double no longer holds every integer.
-    constexpr std::int64_t exact_ids = std::int64_t{1} << std::numeric_limits<scalar_type>::digits;
+    blocks::block_for<Backend, method>(d).check_backend(who, d);
     // A group's channels are gathered from the host's views in host memory (group_views.hpp).
     if (d.groups() > 1 && device_backend)
         throw layer_error(who,
                           "a grouped convolution's blocks read their channels from host memory, which this "
                           "device backend does not; use kfac::backend::cpu_eigen, or exclude the layer with "
                           "options.skip_layers");
-    if (d.kind == layer_kind::embedding && d.in > exact_ids)
-        throw layer_error(who, std::to_string(d.in) +
-                                   " token ids do not all fit exactly in the scalar type "
-                                   "(its integers are exact up to " +
-                                   std::to_string(exact_ids) + "); use a double backend");
-}
-
-/// A running factor before its first update: the identity (a column of ones when diagonal,
-/// identity blocks when unit-wise).
-template <class Backend, class CommPolicy, class ComputeMethod>
-auto engine<Backend, CommPolicy, ComputeMethod>::identity_factor(const layer_description& d) -> matrix {
-    if (d.a_structure() == factor_structure::diagonal) return Backend::ones(d.a_dim());
-    if constexpr (detail::backend_with_unit_wise_factors<Backend>)
-        if (d.a_structure() == factor_structure::unit_wise) return Backend::unit_wise_identity(d.g_dim(), d.a_dim());
-    return Backend::identity(d.a_dim());
 }
 
 template <class Backend, class CommPolicy, class ComputeMethod>

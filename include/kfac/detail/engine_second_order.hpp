@@ -16,16 +16,16 @@ template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::count_bases(const layer_record& l,
                                                              const typename method::factor_data& a,
                                                              const typename method::factor_data& g) {
-    const auto count = [&](bool computes, factor_structure s, const typename method::factor_data& f) {
-        if (!computes || s != factor_structure::dense) return;
+    const auto count = [&](bool computes, factor_side side, const typename method::factor_data& f) {
+        if (!computes || !l.block->counts_basis(side)) return;
         const detail::basis_use use = method::basis_use_of(f);
         if (use == detail::basis_use::reused)
             ++bases_.reused;
         else if (use == detail::basis_use::decomposed)
             ++bases_.decomposed;
     };
-    count(l.role.computes_a, l.host.description.a_structure(), a);
-    count(l.role.computes_g, l.host.description.g_structure(), g);
+    count(l.role.computes_a, factor_side::a, a);
+    count(l.role.computes_g, factor_side::g, g);
 }
 
 /// options.eigenbasis_reuse_tolerance may keep a factor's previous eigenvectors; only data
@@ -51,24 +51,18 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
         const bool has_previous = l.state.has_second;
         const auto* previous_a = has_previous ? &l.state.second.a : &none;
         const auto* previous_g = has_previous ? &l.state.second.g : &none;
-        const double n_a = static_cast<double>(d.a_dim()), n_g = static_cast<double>(d.g_factor_dim());
-        const double a_cost = d.a_structure() == factor_structure::dense
-                                  ? n_a * n_a * n_a
-                                  : static_cast<double>(d.a_storage_rows() * d.a_storage_cols());
         if (l.role.computes_a)
-            tasks.push_back({a_cost, [&l, &r, previous_a, damping, this] {
-                                 in_layer(l, [&] {
-                                     r.ok_a = method::compute_factor(l.state.a_factor, l.host.description.a_structure(),
-                                                                     damping, options_, *previous_a, r.a);
-                                 });
-                             }});
+            tasks.push_back(layer_task(
+                l, {l.block->second_order_cost(d, factor_side::a), [&l, &r, previous_a, damping, this] {
+                        r.ok_a =
+                            l.block->compute(factor_side::a, l.state.a_factor, damping, options_, *previous_a, r.a);
+                    }}));
         if (l.role.computes_g)
-            tasks.push_back({n_g * n_g * n_g, [&l, &r, previous_g, damping, this] {
-                                 in_layer(l, [&] {
-                                     r.ok_g = method::compute_factor(l.state.g_factor, l.host.description.g_structure(),
-                                                                     damping, options_, *previous_g, r.g);
-                                 });
-                             }});
+            tasks.push_back(layer_task(
+                l, {l.block->second_order_cost(d, factor_side::g), [&l, &r, previous_g, damping, this] {
+                        r.ok_g =
+                            l.block->compute(factor_side::g, l.state.g_factor, damping, options_, *previous_g, r.g);
+                    }}));
     }
     agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
     for (std::size_t i = 0; i < layers_.size(); ++i) {
@@ -80,22 +74,22 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
                 count_bases(l, r.a, r.g);
                 if (p.computes_a) l.state.second.a = std::move(r.a);
                 if (p.computes_g) l.state.second.g = std::move(r.g);
-                if (p.computes_a && p.computes_g) method::finalize_layer(l.state.second, damping, options_);
+                if (p.computes_a && p.computes_g) l.block->finalize(l.state.second, damping, options_);
                 l.state.has_second = true;
             } else {
                 outcome.add(l, non_finite_source::decomposition, plan.step, &health_counters::kept_decompositions);
                 if (!l.state.has_second) {  // nothing to keep: precondition with the identity's data
-                    method::identity_data(l.state.second, l.host.description, damping, options_);
+                    l.block->identity_data(l.state.second, l.host.description, damping, options_);
                     l.state.has_second = true;
                 }
             }
         }
         if (p.share_second_order) {
-            method::for_each_payload(l.state.second, 'A', [&](scalar_type* d, std::size_t n) {
-                comm_.broadcast(staging_.stage(d, n, p.computes_a, !p.computes_a), n, p.a_root, column_group_);
+            method::for_each_payload(l.state.second, factor_side::a, [&](scalar_type* d, std::size_t n) {
+                comm_.broadcast(staging_.stage(d, n, broadcast_transfer(p.computes_a)), n, p.a_root, column_group_);
             });
-            method::for_each_payload(l.state.second, 'G', [&](scalar_type* d, std::size_t n) {
-                comm_.broadcast(staging_.stage(d, n, p.computes_g, !p.computes_g), n, p.g_root, column_group_);
+            method::for_each_payload(l.state.second, factor_side::g, [&](scalar_type* d, std::size_t n) {
+                comm_.broadcast(staging_.stage(d, n, broadcast_transfer(p.computes_g)), n, p.g_root, column_group_);
             });
             l.state.has_second = true;
         }

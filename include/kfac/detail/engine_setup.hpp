@@ -153,7 +153,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::setup() {
         auto& l = layers_[i];
         l.role = plan_.role(i, me);
         if (l.role.grad_worker && !(l.role.computes_a && l.role.computes_g))
-            method::prepare_receive(l.state.second, l.host.description, options_);
+            l.block->prepare_receive(l.state.second, l.host.description, options_);
     }
     threads_ = threads;
     serial_blas_ = serial_blas;
@@ -212,7 +212,7 @@ memory_report engine<Backend, CommPolicy, ComputeMethod>::memory_usage() const {
     auto bytes = [](const auto& x) { return static_cast<std::size_t>(x.size()) * sizeof(scalar_type); };
     for (const auto& l : layers_) {
         m.factors += bytes(l.state.a_factor) + bytes(l.state.g_factor);
-        m.statistics += bytes(l.state.a_sum) + bytes(l.state.g_sum);
+        m.statistics += bytes(l.statistics.a_sum) + bytes(l.statistics.g_sum);
         for (const auto& channels : l.scratch.group_channels) m.statistics += channels.size() * sizeof(scalar_type);
         method::for_each_tensor(l.state.second, [&](const char*, const auto& x, int) { m.second_order += bytes(x); });
         m.gradients += bytes(l.scratch.gamma) + bytes(l.scratch.preconditioned);

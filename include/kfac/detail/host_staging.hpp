@@ -24,12 +24,22 @@ inline constexpr bool device_resident = [] {
     else return false;
 }();
 
+/// What a collective does with a staged payload on this rank: sends it (its values are copied
+/// to the host first), receives it (the host's values are copied back after), or both (an
+/// allreduce).
+enum class transfer { send, receive, send_and_receive };
+
+/// A broadcast's transfer on this rank: the root sends, every other rank receives.
+[[nodiscard]] constexpr transfer broadcast_transfer(bool root) noexcept {
+    return root ? transfer::send : transfer::receive;
+}
+
 template <class Backend, bool Device = device_resident<Backend>>
 class host_staging {
 public:
     using scalar = typename Backend::scalar_type;
     /// A host backend's data is already where the collective reads it.
-    scalar* stage(scalar* data, std::size_t, bool, bool) noexcept { return data; }
+    scalar* stage(scalar* data, std::size_t, transfer) noexcept { return data; }
     void complete() noexcept {}
     [[nodiscard]] std::size_t bytes_staged() const noexcept { return 0; }
 };
@@ -39,13 +49,13 @@ class host_staging<Backend, true> {
 public:
     using scalar = typename Backend::scalar_type;
 
-    /// Host memory standing in for `count` device values at `device` until complete().
-    /// @param download copy the device values to the host now (this rank sends them)
-    /// @param upload   copy the host values back to `device` at complete() (this rank receives)
-    scalar* stage(scalar* device, std::size_t count, bool download, bool upload) {
+    /// Host memory standing in for `count` device values at `device` until complete(): the
+    /// device values are copied to the host now when this rank sends them, and the host values
+    /// back to `device` at complete() when it receives.
+    scalar* stage(scalar* device, std::size_t count, transfer t) {
         scalar* host = reserve(count);
-        if (download) Backend::download(device, host, count);
-        if (upload) pending_.push_back({device, host, count});
+        if (t != transfer::receive) Backend::download(device, host, count);
+        if (t != transfer::send) pending_.push_back({device, host, count});
         bytes_ += count * sizeof(scalar);
         return host;
     }
@@ -72,7 +82,7 @@ private:
         typename Backend::pinned_buffer buffer;
         std::size_t used = 0;
     };
-    struct transfer {
+    struct upload {
         scalar* device;
         scalar* host;
         std::size_t count;
@@ -90,7 +100,7 @@ private:
     }
 
     std::list<chunk> chunks_;  // a list: staged pointers stay valid while chunks are added
-    std::vector<transfer> pending_;
+    std::vector<upload> pending_;
     std::size_t bytes_ = 0;
 };
 

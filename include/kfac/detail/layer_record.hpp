@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file layer_record.hpp
-/// Everything the preconditioner keeps per registered layer, in three named parts:
+/// Everything the preconditioner keeps per registered layer, in four named parts:
 /// * layer_binding: the host's layer (its name, description and how to reach its views;
 ///   kfac/detail/layer_binding.hpp);
-/// * layer_state: what K-FAC has learned about it (running factors, the statistics of the
-///   step in progress, the second-order data in force), which is what a checkpoint holds;
+/// * layer_state: what K-FAC has learned about it (running factors, the second-order data in
+///   force), which is what a checkpoint holds;
+/// * step_statistics: the statistics of the step in progress, and their rows and applications;
 /// * layer_scratch: buffers reused from step to step.
-/// Plus this rank's role in the layer's work (kfac/assignment/distribution_plan.hpp).
+/// Plus this rank's role in the layer's work (kfac/assignment/distribution_plan.hpp), and the
+/// block kind that its factors' structure is.
 
 #include <cstdint>
 #include <string>
@@ -18,26 +20,38 @@
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/tensor_view.hpp"
 
+namespace kfac::blocks {
+template <class Backend, class Method>
+class block;
+}
+
 namespace kfac::detail {
 
-/// What K-FAC knows of one layer.
+/// What K-FAC has learned of one layer, which is what a checkpoint holds of it.
 template <class Backend, class Method>
 struct layer_state {
     using matrix = typename Backend::matrix;
-    using scalar = typename Backend::scalar_type;
 
     matrix a_factor, g_factor;  ///< running averages (the identity before the first update)
-    /// The step in progress: batch statistics (lower triangles) of the passes folded in so
-    /// far, and their rows. Scratch until step() commits; never part of a checkpoint.
+    /// Second-order data in force, on the ranks whose role holds it.
+    typename Method::layer_data second{};
+    bool has_second = false;
+};
+
+/// The step in progress: the batch statistics of the passes folded in so far (lower
+/// triangles of dense factors) and what they count. Scratch until step() commits; never
+/// part of a checkpoint.
+template <class Backend>
+struct step_statistics {
+    using matrix = typename Backend::matrix;
+    using scalar = typename Backend::scalar_type;
+
     matrix a_sum, g_sum;
     scalar captured_rows = 0;  ///< rows of the passes accumulate() folded in
     scalar pass_rows = 0;      ///< rows of the pass capture_pass() folded in last
     /// Applications (calls of the layer) folded in by accumulate(), and by the last capture.
     std::int64_t captured_applications = 0;
     std::int64_t pass_applications = 0;
-    /// Second-order data in force, on the ranks whose role holds it.
-    typename Method::layer_data second{};
-    bool has_second = false;
 };
 
 /// Buffers reused between steps.
@@ -66,8 +80,12 @@ struct layer_scratch {
 template <class Backend, class Method>
 struct layer_record {
     layer_binding<typename Backend::scalar_type> host;
+    /// The operations of its block kind (kfac/blocks/kinds.hpp): everything that depends on
+    /// how its factors are structured.
+    const blocks::block<Backend, Method>* block = nullptr;
     assignment::rank_role role{};
     layer_state<Backend, Method> state{};
+    step_statistics<Backend> statistics{};
     layer_scratch<Backend, Method> scratch{};
 
     [[nodiscard]] const std::string& name() const noexcept { return host.name; }

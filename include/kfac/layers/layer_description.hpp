@@ -155,40 +155,11 @@ struct layer_description {
         b.conv.groups = 1;
         return b;
     }
-    /// How the A factor is stored.
-    [[nodiscard]] factor_structure a_structure() const noexcept {
-        if (kind == layer_kind::embedding) return factor_structure::diagonal;
-        return is_normalization(kind) ? factor_structure::unit_wise : factor_structure::dense;
-    }
-    /// How the G factor is stored: dense, or a normalisation layer's 1 × 1 identity.
-    [[nodiscard]] factor_structure g_structure() const noexcept {
-        return is_normalization(kind) ? factor_structure::identity : factor_structure::dense;
-    }
-    /// Rows of the A factor's storage: a_dim(), or one per channel for unit-wise blocks.
-    [[nodiscard]] std::int64_t a_storage_rows() const noexcept {
-        return a_structure() == factor_structure::unit_wise ? g_dim() : a_dim();
-    }
-    /// Columns of the A factor's storage: a_dim(), 1 for a diagonal factor, the k(k+1)/2
-    /// entries of a k × k block for unit-wise blocks.
-    [[nodiscard]] std::int64_t a_storage_cols() const noexcept {
-        switch (a_structure()) {
-            case factor_structure::diagonal: return 1;
-            case factor_structure::unit_wise: return a_dim() * (a_dim() + 1) / 2;
-            default: return a_dim();
-        }
-    }
-    /// Dimension of the G factor's storage: g_dim(), or 1 for the identity.
-    [[nodiscard]] std::int64_t g_factor_dim() const noexcept {
-        return g_structure() == factor_structure::identity ? 1 : g_dim();
-    }
     /// `channels` split over the groups (a description with groups < 1, which registration
     /// refuses, is read as one group so that its arithmetic stays defined).
     [[nodiscard]] std::int64_t per_group(std::int64_t channels) const noexcept {
         return groups() > 0 ? channels / groups() : channels;
     }
-    /// The weight gradient is [in, out] (an Embedding's [V, E]), the transpose of the
-    /// [out, in] of Linear and convolution weights.
-    [[nodiscard]] bool weight_is_in_by_out() const noexcept { return kind == layer_kind::embedding; }
 };
 
 [[nodiscard]] inline layer_description linear_description(std::int64_t in_features,
