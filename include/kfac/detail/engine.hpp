@@ -178,6 +178,11 @@ private:
     std::vector<layer_record> make_records(const std::string& name, Layer& layer,
                                            const std::vector<layer_record>& pending) const;
     static void check_backend_supports(const std::string& name, const layer_description& d);
+    /// The block of d's kind. Not a template: make_records, a member template that every
+    /// program registering layers instantiates, reaches the blocks through it, so that the
+    /// blocks' code is compiled with the engine (once, where the engine is instantiated
+    /// explicitly) and not in every such program.
+    static const blocks::block<Backend, method>& block_of(const layer_description& d);
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const;
     [[nodiscard]] std::size_t index_of(const std::string& name) const;
 

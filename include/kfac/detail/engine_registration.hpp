@@ -99,7 +99,7 @@ auto engine<Backend, CommPolicy, ComputeMethod>::make_records(const std::string&
             r.host.registered_name = name;
             r.host.group = j;
             r.host.description = d;
-            r.block = &blocks::block_for<Backend, method>(d);
+            r.block = &block_of(d);
             r.block->start(r.state, d);
             r.block->clear_statistic(r.statistics, d);
         }
@@ -117,13 +117,19 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_backend_supports(const st
         const std::string why = Backend::unsupported_layer(d);
         if (!why.empty()) throw layer_error(who, why);
     }
-    blocks::block_for<Backend, method>(d).check_backend(who, d);
+    block_of(d).check_backend(who, d);
     // A group's channels are gathered from the host's views in host memory (group_views.hpp).
     if (d.groups() > 1 && device_backend)
         throw layer_error(who,
                           "a grouped convolution's blocks read their channels from host memory, which this "
                           "device backend does not; use kfac::backend::cpu_eigen, or exclude the layer with "
                           "options.skip_layers");
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+auto engine<Backend, CommPolicy, ComputeMethod>::block_of(const layer_description& d)
+    -> const blocks::block<Backend, method>& {
+    return blocks::block_for<Backend, method>(d);
 }
 
 template <class Backend, class CommPolicy, class ComputeMethod>
