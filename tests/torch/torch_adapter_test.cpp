@@ -411,6 +411,17 @@ TEST_CASE("torch adapter errors name the layer", "[torch][errors]") {
         CHECK(report.not_preconditioned[0].name == "grouped");
         CHECK(report.not_preconditioned[0].reason == "matched by options.skip_layers");
     }
+    SECTION("a malformed skip pattern is the preconditioner's kfac::error, not std::regex_error") {
+        // track_modules takes the options without a preconditioner to check them first.
+        auto model = nn::Sequential(nn::Linear(4, 2));
+        kfac::torch::tracker<float> tracker;
+        kfac::options opts;
+        opts.skip_layers = {"head", "("};
+        CHECK_THROWS_AS(kfac::torch::track_modules(tracker, model, opts), kfac::error);
+        CHECK_THROWS_WITH(kfac::torch::track_modules(tracker, model, opts),
+                          Catch::Contains("options.skip_layers: '('"));
+        CHECK(tracker.size() == 0);
+    }
 }
 
 namespace {

@@ -46,7 +46,6 @@
 #include <istream>
 #include <optional>
 #include <ostream>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -61,6 +60,7 @@
 #include "kfac/detail/configuration_check.hpp"
 #include "kfac/detail/host_staging.hpp"
 #include "kfac/detail/layer_checks.hpp"
+#include "kfac/detail/layer_patterns.hpp"
 #include "kfac/detail/layer_record.hpp"
 #include "kfac/detail/step_plan.hpp"
 #include "kfac/detail/task_parallel.hpp"
@@ -183,7 +183,10 @@ private:
     /// blocks' code is compiled with the engine (once, where the engine is instantiated
     /// explicitly) and not in every such program.
     static const blocks::block<Backend, method>& block_of(const layer_description& d);
+    // The option filters (kfac/detail/layer_patterns.hpp), behind members that are not
+    // templates for the same reason: std::regex is compiled with the engine only.
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const;
+    [[nodiscard]] bool reduces(const std::string& name, layer_kind kind) const;
     [[nodiscard]] std::size_t index_of(const std::string& name) const;
 
     // configuration and placement (engine_setup.hpp)
@@ -273,8 +276,8 @@ private:
     options options_;
     CommPolicy comm_;
     assignment_policy assignment_;
-    std::vector<std::regex> skip_patterns_;
-    std::vector<std::regex> reduce_patterns_;  // options.reduce_layers
+    layer_patterns skip_filter_;    // options.skip_layers
+    layer_patterns reduce_filter_;  // options.reduce_layers
     std::vector<layer_record> layers_;
     std::int64_t steps_ = 0;
     std::int64_t passes_ = 0;       // forward/backward passes folded into the current statistics

@@ -6,7 +6,6 @@
 /// layer becomes: one, or one per group of a grouped convolution.
 
 #include <limits>
-#include <regex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -86,9 +85,7 @@ auto engine<Backend, CommPolicy, ComputeMethod>::make_records(const std::string&
                                 l.host.registered_name + "'; register each layer object once, under one name");
             }
         if (skipped(name, d.kind)) return {};
-        // An Embedding has no positions to share a weight over: its rows are the tokens.
-        for (const auto& re : reduce_patterns_)
-            if (d.kind != layer_kind::embedding && std::regex_search(name, re)) d.sharing = weight_sharing::reduce;
+        if (reduces(name, d.kind)) d.sharing = weight_sharing::reduce;
         detail::check_description(name, d);
         check_backend_supports(name, d);
         std::vector<layer_record> records(static_cast<std::size_t>(d.groups()));
@@ -134,11 +131,14 @@ auto engine<Backend, CommPolicy, ComputeMethod>::block_of(const layer_descriptio
 
 template <class Backend, class CommPolicy, class ComputeMethod>
 bool engine<Backend, CommPolicy, ComputeMethod>::skipped(const std::string& name, layer_kind kind) const {
-    const char* lower = kind_name(kind);
-    const char* pytorch = pytorch_module_name(kind);
-    for (const auto& re : skip_patterns_)
-        if (std::regex_search(name, re) || std::regex_search(lower, re) || std::regex_search(pytorch, re)) return true;
-    return false;
+    return skip_filter_.match_layer(name, kind);
+}
+
+/// An Embedding has no positions to share a weight over (its rows are the tokens): the
+/// reduce_layers patterns leave it as it is.
+template <class Backend, class CommPolicy, class ComputeMethod>
+bool engine<Backend, CommPolicy, ComputeMethod>::reduces(const std::string& name, layer_kind kind) const {
+    return kind != layer_kind::embedding && reduce_filter_.match_name(name);
 }
 
 template <class Backend, class CommPolicy, class ComputeMethod>

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <regex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -27,17 +26,8 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
         validate(options_);
         if (!options_.damping.is_schedule()) detail::check_damping_representable<scalar_type>(options_.damping(0));
         check_eigenbasis_reuse_supported();
-        auto compile = [](const char* option, const std::string& pattern) {
-            try {
-                return std::regex(pattern, std::regex::ECMAScript);
-            } catch (const std::regex_error& e) {
-                throw error(std::string("options.") + option + ": '" + pattern +
-                            "' is not a valid ECMAScript regular expression (" + e.what() + ")");
-            }
-        };
-        for (const auto& pattern : options_.skip_layers) skip_patterns_.push_back(compile("skip_layers", pattern));
-        for (const auto& pattern : options_.reduce_layers)
-            reduce_patterns_.push_back(compile("reduce_layers", pattern));
+        skip_filter_ = skip_filter(options_);
+        reduce_filter_ = reduce_filter(options_);
     });
 }
 

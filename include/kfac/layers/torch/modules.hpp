@@ -11,7 +11,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -126,19 +125,6 @@ inline const at::Tensor* tracked_weight(::torch::nn::Module* m) {
     if (auto* e = dynamic_cast<::torch::nn::EmbeddingImpl*>(m)) return &e->weight;
     if (const auto n = as_norm_module(m)) return n->weight;
     return nullptr;
-}
-
-/// The library's skip rule (preconditioner::register_layer): a pattern that matches the name
-/// or a kind name.
-inline bool skipped(const options& opts, const std::string& name, layer_kind kind) {
-    const char* lower = kind_name(kind);
-    const char* pytorch = pytorch_module_name(kind);
-    for (const auto& pattern : opts.skip_layers) {
-        const std::regex re(pattern, std::regex::ECMAScript);
-        if (std::regex_search(name, re) || std::regex_search(lower, re) || std::regex_search(pytorch, re))
-            return true;
-    }
-    return false;
 }
 
 /// The kind of a module the tracker can take (nullopt for any other module).

@@ -11,7 +11,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -28,6 +27,7 @@
 
 #include "kfac/config.hpp"
 #include "kfac/detail/layer_checks.hpp"
+#include "kfac/detail/layer_patterns.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/layer_traits.hpp"
 #include "kfac/layers/tensor_view.hpp"
@@ -95,6 +95,8 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
     const tracker<Scalar>& tracker, const Model& model, const options& opts, const std::string& prefix) {
     registration report;
     std::vector<std::shared_ptr<layer_state>> states;
+    // The preconditioner's rule, compiled once (a malformed pattern is a kfac::error here too).
+    const kfac::detail::layer_patterns skip = kfac::detail::skip_filter(opts);
     for (const auto& item : model->named_modules(prefix, /*include_self=*/true)) {
         const std::shared_ptr<::torch::nn::Module>& m = item.value();
         const std::string name = item.key().empty() ? m->name() : item.key();
@@ -107,7 +109,7 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
         auto left_out = [&](std::string reason) {
             report.not_preconditioned.push_back({name, module_type(*m), std::move(reason)});
         };
-        if (skipped(opts, name, *kind)) {
+        if (skip.match_layer(name, *kind)) {
             left_out("matched by options.skip_layers");
             continue;
         }
@@ -140,11 +142,12 @@ struct tracked_modules {
     std::vector<tracked_layer<Scalar>*> layers;
 };
 
-/// Tracks every module of `model` that register_modules() would register
-/// precondition (as register_modules() chooses them, with `opts.skip_layers`), without
-/// registering them: for a preconditioner that this translation unit cannot instantiate,
-/// through kfac::any_layer (see any_layer.hpp). All or nothing.
-/// @throws kfac::error as tracker::track does; nothing is tracked then.
+/// Tracks every module of `model` that register_modules() would register (as
+/// register_modules() chooses them, with `opts.skip_layers`), without registering them: for a
+/// preconditioner that this translation unit cannot instantiate, through kfac::any_layer (see
+/// any_layer.hpp). All or nothing.
+/// @throws kfac::error as tracker::track does, or if a skip pattern is not a regular
+/// expression; nothing is tracked then.
 template <class Scalar, class Model>
 tracked_modules<Scalar> track_modules(tracker<Scalar>& tracker, const Model& model, const options& opts = {},
                                       const std::string& prefix = "") {
