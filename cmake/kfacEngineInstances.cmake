@@ -13,7 +13,6 @@
 #
 #   kfac_engines       cpu_eigen<float|double> x comm::serial x eigendecomposition|inverse
 #   kfac_engines_mpi   the same with comm::mpi (when MPI is found), plus kfac_engines
-#   kfac_engines_cuda  cuda<float|double> x comm::serial x both methods (nvcc; when CUDA is found)
 #
 # Only for programs built with the same definitions and target flags as the library they link
 # (a program compiled with other BLAS or Eigen settings, as kfac_traces_fixed and the Prescott
@@ -23,16 +22,10 @@
 # alignment is defined: a program of another alignment fails to link.
 set(kfac_engines_dir ${PROJECT_BINARY_DIR}/kfac_engines)
 
-# kfac_add_engines(<target> <comm: serial|mpi> <backend: cpu_eigen|cuda> <quoted header to include>...)
-# A cuda library is compiled by nvcc (.cu translation units) and declares its engines to the
-# CUDA translation units of the programs that link it only: the C++ ones never see the backend.
-function(kfac_add_engines target comm backend)
+# kfac_add_engines(<target> <comm: serial|mpi> <quoted header to include>...)
+function(kfac_add_engines target comm)
   set(header ${kfac_engines_dir}/${target}.hpp)
   string(TOUPPER ${target} TARGET)
-  set(extension cpp)
-  if(backend STREQUAL "cuda")
-    set(extension cu)
-  endif()
   set(includes)
   foreach(h IN LISTS ARGN)
     string(APPEND includes "#include ${h}\n")
@@ -42,11 +35,11 @@ function(kfac_add_engines target comm backend)
   foreach(scalar float double)
     set(definitions)
     foreach(method eigendecomposition inverse)
-      set(type "kfac::detail::engine<kfac::backend::${backend}<${scalar}>, kfac::comm::${comm}, kfac::compute::${method}>")
+      set(type "kfac::detail::engine<kfac::backend::cpu_eigen<${scalar}>, kfac::comm::${comm}, kfac::compute::${method}>")
       string(APPEND declarations "extern template class ${type};\n")
       string(APPEND definitions "template class ${type};\n")
     endforeach()
-    set(src ${kfac_engines_dir}/${target}_${scalar}.${extension})
+    set(src ${kfac_engines_dir}/${target}_${scalar}.cpp)
     set(abi_definition)
     if(NOT sources)  # the first translation unit defines the alignment's symbol
       set(abi_definition "const int ${TARGET}_ABI = EIGEN_MAX_ALIGN_BYTES;  // external: declared extern above\n")
@@ -69,40 +62,23 @@ extern const int ${TARGET}_ABI;
 [[gnu::used]] static const int* const ${target}_abi_check = &${TARGET}_ABI;
 ")
   add_library(${target} STATIC ${sources})
-  if(backend STREQUAL "cuda")
-    target_link_libraries(${target} PUBLIC kfac::cuda)
-    set_target_properties(${target} PROPERTIES CUDA_EXTENSIONS OFF)
-    target_compile_options(${target} PRIVATE ${KFAC_NVCC_FLAGS}
-                           INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:--pre-include=${header}>)
-  else()
-    target_link_libraries(${target} PUBLIC kfac::kfac)
-    target_compile_options(${target} PRIVATE -Wall -Wextra -Werror
-                           INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-include${header}>
-                                     $<$<COMPILE_LANGUAGE:CUDA>:--pre-include=${header}>)
-  endif()
+  target_link_libraries(${target} PUBLIC kfac::kfac)
+  target_compile_options(${target} PRIVATE -Wall -Wextra -Werror
+                         INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-include${header}>
+                                   $<$<COMPILE_LANGUAGE:CUDA>:--pre-include=${header}>)
 endfunction()
 
-kfac_add_engines(kfac_engines serial cpu_eigen "\"kfac/kfac.hpp\"")
+kfac_add_engines(kfac_engines serial "\"kfac/kfac.hpp\"")
 if(KFAC_HAS_MPI)
-  kfac_add_engines(kfac_engines_mpi mpi cpu_eigen "\"kfac/kfac.hpp\"" "\"kfac/comm/mpi.hpp\"")
+  kfac_add_engines(kfac_engines_mpi mpi "\"kfac/kfac.hpp\"" "\"kfac/comm/mpi.hpp\"")
   target_link_libraries(kfac_engines_mpi PUBLIC kfac::mpi kfac_engines)
 endif()
 
-# kfac_engines_cuda: backend::cuda<float|double> x comm::serial x both methods, compiled by nvcc
-# once for the CUDA tests, the torch CUDA test and bench_cuda (each instantiated them before).
-# KFAC_NVCC_FLAGS: how this project's own .cu files are compiled: C++20 by hand (CMake 3.25
-# knows no nvcc 13 flag for it), host warnings as errors (the headers of Eigen, xtensor and CCCL
-# are SYSTEM); GCC 12 at -O3 warns falsely about std::string concatenation in code nvcc
-# generates (-Wrestrict, bug 105329).
-if(KFAC_HAS_CUDA)
-  include(CheckLanguage)
-  check_language(CUDA)
-  if(CMAKE_CUDA_COMPILER)
-    enable_language(CUDA)
-    set(KFAC_NVCC_FLAGS -std=c++20 --Werror all-warnings -Xcompiler=-Wall,-Wextra,-Werror,-Wno-error=restrict)
-    kfac_add_engines(kfac_engines_cuda serial cuda "\"kfac/kfac.hpp\"" "<kfac/backend/cuda.cuh>")
-  endif()
-endif()
+# No engine library for backend::cuda: tried and measured, it cost more than it saved. Its two
+# nvcc translation units (cuda<float|double> x both methods) took about 130 s of CPU (65.7 s for
+# the float one alone), and linking it saved cuda_backend_test.cu 25 s (163 s -> 138 s alone),
+# bench_cuda.cu and gpu_preconditioner.cu about 30 and 20 s of the build log's job time: what a
+# program's engines cost beside the code they share is small.
 
 # kfac_glue_program(<target>): a program whose numerical work runs in code compiled elsewhere
 # (LibTorch's library, the engines above) is compiled at -O1: what is left in it is glue (models
