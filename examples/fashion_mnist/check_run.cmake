@@ -2,10 +2,13 @@
 # checks what it printed and wrote (cmake -P; used by CTest):
 #   -DPROGRAM=path -DOUT=prefix -DARGS="--model cnn ..." -DOPTIMIZERS="sgd kfac" -DEPOCHS=N
 #   [-DLAUNCH="mpiexec -n 2"] [-DREFERENCE=path/to/kfac_fashion_mnist -DTOLERANCE=0.0200]
-#   [-DRESUME=1]
+#   [-DREFERENCE_OUTPUT=file] [-DSAVE_OUTPUT=file] [-DRESUME=1]
 # * every optimizer prints one well-formed summary line and has one CSV row per epoch 0..N;
+# * SAVE_OUTPUT: what the run printed is written to that file (for REFERENCE_OUTPUT);
 # * REFERENCE: the single-process program is run with the same arguments and every
 #   optimizer's final accuracy must be within TOLERANCE (4 decimals) of its single-process one;
+#   with REFERENCE_OUTPUT, the single-process run is not repeated: its summary lines are read
+#   from that file, which a run of REFERENCE with the same arguments saved (a CTest fixture).
 # * RESUME: the run is repeated in two halves (--checkpoint with --stop-after, then --resume)
 #   and must end with exactly the same test accuracies.
 # The program exits 77 when the data set is missing: the test is then skipped.
@@ -70,6 +73,9 @@ run_program(run FALSE ${OUT}.csv ${LAUNCH} ${PROGRAM} ${ARGS} --epochs ${EPOCHS}
 if(run_skipped)
   return()
 endif()
+if(DEFINED SAVE_OUTPUT)
+  file(WRITE ${SAVE_OUTPUT} "${run}")
+endif()
 file(STRINGS ${OUT}.csv lines)
 list(POP_FRONT lines header)
 if(NOT header STREQUAL "optimizer,model,seed,epoch,lr,train_loss,test_loss,test_accuracy,seconds")
@@ -84,7 +90,20 @@ foreach(optimizer IN LISTS OPTIMIZERS)
 endforeach()
 
 if(DEFINED REFERENCE)
-  run_program(single FALSE ${OUT}_single.csv ${REFERENCE} ${REFERENCE_ARGS} --epochs ${EPOCHS})
+  if(DEFINED REFERENCE_OUTPUT)
+    if(NOT EXISTS ${REFERENCE_OUTPUT})
+      message(FATAL_ERROR "${REFERENCE_OUTPUT}, the single-process run's output, is missing")
+    endif()
+    file(READ ${REFERENCE_OUTPUT} saved)
+    foreach(optimizer IN LISTS OPTIMIZERS)
+      if(NOT saved MATCHES "summary optimizer=${optimizer} model=[a-z]+ epochs=${EPOCHS} test_accuracy=([01]\\.[0-9]+)")
+        message(FATAL_ERROR "${REFERENCE_OUTPUT} holds no summary line for ${optimizer} after ${EPOCHS} epochs")
+      endif()
+      set(single_${optimizer} ${CMAKE_MATCH_1})
+    endforeach()
+  else()
+    run_program(single FALSE ${OUT}_single.csv ${REFERENCE} ${REFERENCE_ARGS} --epochs ${EPOCHS})
+  endif()
   to_units(tolerance ${TOLERANCE})
   foreach(optimizer IN LISTS OPTIMIZERS)
     to_units(a ${run_${optimizer}})

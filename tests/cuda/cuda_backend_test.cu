@@ -4,8 +4,9 @@
 // and the errors. Without a CUDA device the program prints why and exits 77, which CTest
 // reports as skipped.
 
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+#include "support/catch_session.hpp"
 
 #include <cstdio>
 #include <vector>
@@ -326,5 +327,5 @@ int main(int argc, char** argv) {
                     "the CUDA backend tests need a GPU\n");
         return 77;
     }
-    return Catch::Session().run(argc, argv);
+    return kfac_test::run_catch_session(argc, argv);
 }

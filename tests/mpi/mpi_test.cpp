@@ -2,8 +2,9 @@
 // Run under `mpiexec -n W`: the communication each strategy performs (collectives and bytes
 // per step), symmetric packing, bucketing, and mismatches that must raise the same error on
 // every rank instead of hanging. A failure on any rank fails the test on every rank.
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+#include "support/catch_session.hpp"
 
 #include <mpi.h>
 
@@ -373,7 +374,7 @@ TEST_CASE("DP-KFAC: only the owner holds a layer's factors", "[mpi][dp_kfac]") {
 
 int main(int argc, char** argv) {
     MPI_Init(&argc, &argv);
-    const int failed = Catch::Session().run(argc, argv);
+    const int failed = kfac_test::run_catch_session(argc, argv);
     int any = 0;
     MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     MPI_Finalize();

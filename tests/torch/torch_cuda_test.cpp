@@ -4,12 +4,13 @@
 // The preconditioner lives in a CUDA translation unit (gpu_preconditioner.cu) and receives
 // the tracked layers as kfac::any_layer. Without a CUDA device, or with a LibTorch built
 // without CUDA (Debian's), the program says so and exits 77, which CTest reports as skipped.
-#define CATCH_CONFIG_RUNNER  // header-only Catch2: no prebuilt library whose ABI must match LibTorch's
 
 #include <torch/torch.h>
 // LibTorch includes glog, whose CHECK(condition) would shadow Catch's.
 #undef CHECK
 #include <catch2/catch.hpp>
+
+#include "support/catch_session.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -94,5 +95,5 @@ int main(int argc, char** argv) {
                                                                   : "LibTorch has no CUDA device (or was built without CUDA)");
         return 77;
     }
-    return Catch::Session().run(argc, argv);
+    return kfac_test::run_catch_session(argc, argv);
 }

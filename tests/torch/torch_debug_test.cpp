@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The LibTorch adapter in a translation unit built without NDEBUG (a user's Debug build)
 // against a release LibTorch: the tracker must still see each module's arguments.
-#define CATCH_CONFIG_MAIN
 
 #ifdef NDEBUG
 #error "this test must be built without NDEBUG"
