@@ -24,9 +24,10 @@ option(KFAC_GCC_DEFER_COLLECTION "Let GCC collect its heap less often while comp
        ${kfac_defer_default})
 if(KFAC_GCC_DEFER_COLLECTION)
   # 4 GiB before the first collection, then 400 % growth (the values are in KiB and percent).
-  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:--param=ggc-min-heapsize=4194304>
-                      $<$<COMPILE_LANGUAGE:CXX>:--param=ggc-min-expand=400>)
-  # nvcc hands its host compilation to the same GCC.
-  add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=--param=ggc-min-heapsize=4194304,--param=ggc-min-expand=400>")
+  set(kfac_ggc_heap --param=ggc-min-heapsize=4194304)
+  set(kfac_ggc_expand --param=ggc-min-expand=400)
+  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:${kfac_ggc_heap}> $<$<COMPILE_LANGUAGE:CXX>:${kfac_ggc_expand}>
+                      # nvcc hands its host compilation to the same GCC.
+                      $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=${kfac_ggc_heap},${kfac_ggc_expand}>)
   message(STATUS "kfac: GCC's heap collected less often in this build (KFAC_GCC_DEFER_COLLECTION)")
 endif()
