@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <kfac/checkpoint/format.hpp>
+#include <kfac/checkpoint/state_dict.hpp>
 #include <kfac/kfac.hpp>
 
 #include "unit/test_util.hpp"
@@ -842,4 +843,42 @@ TEST_CASE("an option saved as 0 loads where it is -0, and the other way", "[chec
         CHECK_NOTHROW(third.load_bytes(reseal(older)));
         CHECK(third.steps() == 2);
     }
+}
+
+TEST_CASE("a checkpoint is its state_dict: the fields read back, and writing them again gives the same bytes",
+          "[checkpoint][state_dict]") {
+    namespace ck = kfac::checkpoint;
+    auto o = resume_options(1);
+    const std::string bytes = bytes_after_two_steps(o);
+    const ck::state_dict s = ck::from_archive(ck::parse(bytes, "test"), "test");
+    CHECK(s.step == 2);
+    CHECK(s.scalar == "double");
+    CHECK(s.method == "eigendecomposition");
+    CHECK(s.second_order == "included");
+    CHECK(s.damping == 0.003);  // resume_options().damping, the inverse update's γ, in exact decimal
+    CHECK(s.world_size == 1);
+    CHECK(s.version == ck::format_version);
+    REQUIRE(s.layers.size() == 3);
+    CHECK_THAT(s.layers.at("fc1"), Catch::Contains("fc1"));
+    CHECK(s.options.at("damping") == "0.003");
+    CHECK(s.options.at("kl_clip") == "0.01");
+    // Per layer in registration order, its factors first, then its second-order data.
+    REQUIRE(s.tensors.size() >= 6);
+    CHECK(s.tensors[0].name == "fc1.A");
+    CHECK(s.tensors[1].name == "fc1.G");
+    CHECK(s.tensors.back().name.rfind("conv.", 0) == 0);
+    // The archive is a function of the state: the same fields give the same bytes, and a
+    // changed field gives other ones that read back as that field.
+    CHECK(ck::serialize(ck::to_archive(s)) == bytes);
+    auto later = s;
+    later.step = 3;
+    later.health.zeroed_gradients = 5;
+    const ck::state_dict again = ck::from_archive(ck::parse(ck::serialize(ck::to_archive(later)), "test"), "test");
+    CHECK(again.step == 3);
+    CHECK(again.health.zeroed_gradients == 5);
+    // A layer count that disagrees with the layer entries is refused before anything is read.
+    auto a = ck::parse(bytes, "test");
+    a.metadata["layers"] = "4";
+    CHECK_THROWS_WITH(ck::from_archive(ck::parse(reseal(a), "test"), "test"),
+                      Catch::Contains("metadata 'layers' = '4' but it holds 3 layer entries"));
 }

@@ -13,7 +13,8 @@
 ///   engine_factors.hpp        capture, end of pass, running factor averages
 ///   engine_second_order.hpp   decompositions or inverses, shared by their owners
 ///   engine_precondition.hpp   preconditioning, kl_clip, write-back, commit
-///   engine_checkpoint.hpp     save and load through detail::checkpoint_io
+///   engine_checkpoint.hpp     save and load: the records' state gathered into a
+///                             checkpoint::state_dict by the plan, and scattered back
 ///
 /// The assignment strategy is not a template argument of the engine: it reaches the planner
 /// as a value (assignment_policy), so one engine serves all three strategies. What depends on
@@ -55,8 +56,10 @@
 #include "kfac/assignment/placement_costs.hpp"
 #include "kfac/blocks/kinds.hpp"
 #include "kfac/checkpoint/format.hpp"
+#include "kfac/checkpoint/state_dict.hpp"
 #include "kfac/config.hpp"
 #include "kfac/detail/compute_impl.hpp"
+#include "kfac/detail/checkpoint_io.hpp"
 #include "kfac/detail/configuration_check.hpp"
 #include "kfac/detail/host_staging.hpp"
 #include "kfac/detail/layer_checks.hpp"
@@ -144,6 +147,9 @@ public:
     void commit(const step_plan& plan, double scale, step_outcome outcome);
 
     // ---- checkpoints (engine_checkpoint.hpp) ----
+    /// Every layer's state gathered onto rank 0 by the plan (std::nullopt on the other ranks),
+    /// after a finished step. Collective.
+    [[nodiscard]] std::optional<checkpoint::state_dict> gather_state(const checkpoint::save_options& o);
     void save(const std::filesystem::path& path, const checkpoint::save_options& o);
     [[nodiscard]] std::string save_bytes(const checkpoint::save_options& o);
     void save(std::ostream& out, const checkpoint::save_options& o);
@@ -165,13 +171,15 @@ public:
     [[nodiscard]] std::vector<layer_info> layers() const;
     [[nodiscard]] memory_report memory_usage() const;
     [[nodiscard]] std::string strategy_name() const;
+    [[nodiscard]] const std::vector<layer_record>& records() const noexcept { return layers_; }
+    /// What every rank agrees on (kfac/detail/configuration_check.hpp): the options by name, the
+    /// layers, the scalar type and the compute method.
+    [[nodiscard]] std::vector<config_item> configuration() const;
     [[nodiscard]] const CommPolicy& comm() const noexcept { return comm_; }
     [[nodiscard]] CommPolicy& comm() noexcept { return comm_; }
 
 private:
     using group = typename CommPolicy::group;
-    template <class>
-    friend struct checkpoint_io;
 
     // registration (engine_registration.hpp)
     template <class Layer>
@@ -191,7 +199,6 @@ private:
 
     // configuration and placement (engine_setup.hpp)
     void check_eigenbasis_reuse_supported() const;
-    [[nodiscard]] std::vector<config_item> configuration() const;
     void check_configuration_agrees();
     void check_items_agree(const std::vector<config_item>& items, const std::string& subject, const std::string& fix);
     [[nodiscard]] assignment::distribution_plan distribution() const;
@@ -220,6 +227,12 @@ private:
 
     // checkpoints
     void load_from(std::string bytes, const std::string& source, const checkpoint::load_options& o);
+    /// One tensor of the state onto rank 0 from `source` (a broadcast when that is another rank).
+    template <class Storage>
+    void gather_tensor(const Storage& x, std::int64_t rows, std::int64_t cols, int source, bool writer,
+                       std::vector<checkpoint::tensor>& tensors, std::string name, int tensor_rank);
+    /// Sets a state that load() checked on every rank: nothing here can fail but a device copy.
+    void adopt_state(staged_state<Backend, method>&& s);
 
     /// Runs work that can fail on some ranks only (checks, local computation) and raises the
     /// first failure on every rank, so that no rank goes on into a collective that a failed

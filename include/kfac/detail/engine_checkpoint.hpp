@@ -1,8 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file engine_checkpoint.hpp
-/// save() and load() of the engine's state through detail::checkpoint_io (the records'
-/// tensors gathered to rank 0 and scattered back by the plan; kfac/checkpoint/format.hpp).
+/// save() and load() of the engine's state. Save: the records' state gathered onto rank 0 by
+/// the distribution plan into a checkpoint::state_dict (kfac/checkpoint/state_dict.hpp),
+/// which becomes the archive. Load: rank 0 reads the bytes and broadcasts them; every rank
+/// reads the state_dict, checks all of it against its records (detail::checkpoint_io) and
+/// builds its part aside; only when every rank succeeded does any state change.
+///
+/// Which rank holds what: rank 0 holds every running factor under KAISA; under DP-KFAC each
+/// layer's owner broadcasts them. Second-order data comes from the rank that computed a
+/// layer's G data, which holds the whole layer's data (KAISA shares A's within the column;
+/// MEM_OPT and DP-KFAC compute both on one rank). One tensor travels at a time.
 
 #include <exception>
 #include <filesystem>
@@ -11,8 +19,12 @@
 #include <ostream>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
+#include "kfac/blocks/block.hpp"
 #include "kfac/checkpoint/files.hpp"
+#include "kfac/checkpoint/state_dict.hpp"
 #include "kfac/detail/checkpoint_io.hpp"
 #include "kfac/detail/engine.hpp"
 
@@ -21,18 +33,18 @@ namespace kfac::detail {
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::save(const std::filesystem::path& path,
                                                       const checkpoint::save_options& o) {
-    const auto archive = checkpoint_io<engine>::collect(*this, o);
+    const auto state = gather_state(o);
     agree_on([&] {
-        if (archive) checkpoint::write_file(path, *archive);
+        if (state) checkpoint::write_file(path, checkpoint::to_archive(*state));
     });
 }
 
 template <class Backend, class CommPolicy, class ComputeMethod>
 std::string engine<Backend, CommPolicy, ComputeMethod>::save_bytes(const checkpoint::save_options& o) {
-    const auto archive = checkpoint_io<engine>::collect(*this, o);
+    const auto state = gather_state(o);
     std::string bytes;
     agree_on([&] {
-        if (archive) bytes = checkpoint::serialize(*archive);
+        if (state) bytes = checkpoint::serialize(checkpoint::to_archive(*state));
     });
     return bytes;
 }
@@ -82,13 +94,15 @@ void engine<Backend, CommPolicy, ComputeMethod>::load(std::istream& in, const ch
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::load_from(std::string bytes, const std::string& source,
                                                            const checkpoint::load_options& o) {
-    using io = checkpoint_io<engine>;
     setup();
     bytes = comm_.broadcast_text(bytes, 0);
-    typename io::staged staged;
-    agree_on([&] { staged = io::stage(*this, bytes, source, o); });
+    staged_state<Backend, method> staged;
+    agree_on([&] {
+        const auto state = checkpoint::from_archive(checkpoint::parse(bytes, source), source);
+        staged = checkpoint_io<engine>::stage(*this, state, source, o);
+    });
     const bool recompute = staged.recompute;
-    io::commit(*this, std::move(staged));
+    adopt_state(std::move(staged));
     if (!recompute) return;
     // The file holds no second-order data to use: computed from the loaded factors now,
     // as an inverse update with the damping it was last computed with would.
@@ -97,10 +111,114 @@ void engine<Backend, CommPolicy, ComputeMethod>::load_from(std::string bytes, co
     plan.damping = second_order_damping_;
     step_outcome outcome;
     const blas_threads_guard blas_threads(serial_blas_);
-    // checkpoint_io::commit left every layer without second-order data, so no previous
+    // adopt_state() left every layer without second-order data, so no previous
     // eigenvectors are kept: every factor is decomposed exactly.
     update_second_order(plan, outcome);
     health_.kept_decompositions += outcome.health.kept_decompositions;
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+std::optional<checkpoint::state_dict> engine<Backend, CommPolicy, ComputeMethod>::gather_state(
+    const checkpoint::save_options& o) {
+    setup();
+    agree_on([&] {
+        if (passes_ != 0)
+            throw error("save() after " + std::to_string(passes_) + " accumulate() call(s) of a step that has "
+                        "not finished; save after step(), when the step's statistics are folded in");
+    });
+    const bool writer = comm_.rank() == 0;
+    const bool second = o.second_order && steps_ > 0;
+    checkpoint::state_dict state;
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+        auto& l = layers_[i];
+        const auto& place = plan_.layers[i];
+        const auto& d = l.host.description;
+        const int factor_source = place.factor_holders.front();
+        const blocks::block_layout b = l.block->layout(d);
+        gather_tensor(l.state.a_factor, b.a_rows, b.a_cols, factor_source, writer, state.tensors, l.host.name + ".A",
+                      b.a_tensor_rank);
+        gather_tensor(l.state.g_factor, b.g_dim, b.g_dim, factor_source, writer, state.tensors, l.host.name + ".G", 2);
+        if (!second) continue;
+        // Every rank walks the same list of tensors: the source its own data, the others
+        // empty stand-ins of the same sizes.
+        typename method::layer_data expected{};
+        l.block->prepare_full(expected, d, options_);
+        const bool source = comm_.rank() == place.g_worker;
+        std::vector<std::pair<const char*, std::pair<std::int64_t, std::int64_t>>> shapes;
+        method::for_each_tensor(expected, [&](const char* name, const auto& x, int) {
+            shapes.push_back({name, {static_cast<std::int64_t>(x.rows()), static_cast<std::int64_t>(x.cols())}});
+        });
+        agree_on([&] {
+            if (!source) return;
+            std::size_t k = 0;
+            method::for_each_tensor(l.state.second, [&](const char* name, const auto& x, int) {
+                const auto& [rows, cols] = shapes[k++].second;
+                if (x.rows() != rows || x.cols() != cols)
+                    throw error(describe_layer(l.host.name, d) + ": its second-order data '" + name + "' is " +
+                                std::to_string(x.rows()) + " x " + std::to_string(x.cols()) + " on rank " +
+                                std::to_string(comm_.rank()) + ", not " + std::to_string(rows) + " x " +
+                                std::to_string(cols) + " (an internal inconsistency; please report it)");
+            });
+        });
+        std::size_t k = 0;
+        method::for_each_tensor(source ? l.state.second : expected, [&](const char* name, const auto& x, int rank) {
+            const auto& [rows, cols] = shapes[k++].second;
+            if (rows * cols == 0) return;
+            gather_tensor(x, rows, cols, place.g_worker, writer, state.tensors, l.host.name + "." + name, rank);
+        });
+    }
+    if (!writer) return std::nullopt;
+    state.step = steps_;
+    state.scalar = sizeof(scalar_type) == sizeof(float) ? "float" : "double";
+    state.method = compute_method_name<ComputeMethod>();
+    state.second_order = steps_ == 0 ? "none yet" : o.second_order ? "included" : "omitted";
+    state.damping = second_order_damping_;
+    state.world_size = comm_.size();
+    state.strategy = plan_.name;
+    state.health = health_;
+    for (const auto& l : layers_) state.layers[l.host.name] = layer_signature(l.host.name, l.host.description);
+    for (const auto& item : configuration()) {
+        if (item.key.rfind("options.", 0) != 0) continue;
+        state.options[item.key.substr(8)] = item.value == "a schedule" ? "schedule" : item.value;
+    }
+    return state;
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+template <class Storage>
+void engine<Backend, CommPolicy, ComputeMethod>::gather_tensor(const Storage& x, std::int64_t rows, std::int64_t cols,
+                                                               int source, bool writer,
+                                                               std::vector<checkpoint::tensor>& tensors,
+                                                               std::string name, int tensor_rank) {
+    if (source == 0) {
+        if (writer) tensors.push_back(checkpoint::to_tensor<scalar_type>(std::move(name), Backend::to_host(x), tensor_rank));
+        return;
+    }
+    typename Backend::host_matrix h(rows, cols);
+    if (comm_.rank() == source) h = Backend::to_host(x);
+    comm_.broadcast(h.data(), static_cast<std::size_t>(h.size()), source, comm_.world());
+    comm_.wait();
+    if (writer) tensors.push_back(checkpoint::to_tensor<scalar_type>(std::move(name), h, tensor_rank));
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::adopt_state(staged_state<Backend, method>&& s) {
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+        auto& st = layers_[i].state;
+        if (s.a_factor[i]) st.a_factor = std::move(*s.a_factor[i]);
+        if (s.g_factor[i]) st.g_factor = std::move(*s.g_factor[i]);
+        st.has_second = false;
+        if (s.second[i]) {
+            st.second = std::move(*s.second[i]);
+            st.has_second = true;
+        }
+    }
+    steps_ = s.step;
+    passes_ = 0;
+    applied_in_step_ = false;
+    health_ = s.health;
+    last_kl_scale_ = 1.0;
+    second_order_damping_ = s.second_order_damping;
 }
 
 }  // namespace kfac::detail

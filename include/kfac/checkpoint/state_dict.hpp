@@ -1,0 +1,102 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file state_dict.hpp
+/// A preconditioner's saved state as a value, between its records and the archive (as
+/// Distributed Shampoo's distributed_state_dict() sits between its optimizer and the
+/// checkpoint layer): save() gathers the records into a state_dict by the distribution plan
+/// and writes to_archive() of it; load() reads from_archive() and scatters it back. This
+/// header knows the metadata's names and checks (kfac/checkpoint/format.hpp) and nothing of
+/// the preconditioner; kfac/detail/engine_checkpoint.hpp gathers and scatters.
+
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kfac/checkpoint/format.hpp"
+#include "kfac/checkpoint/safetensors.hpp"
+#include "kfac/detail/configuration_check.hpp"
+#include "kfac/health.hpp"
+
+namespace kfac::checkpoint {
+
+/// Everything a checkpoint holds, as values.
+struct state_dict {
+    std::int64_t step = 0;        ///< steps taken
+    std::string scalar;           ///< "float" or "double": the tensors' type
+    std::string method;           ///< the compute method whose second-order data it holds
+    std::string second_order;     ///< "included", "omitted" or "none yet" (step 0)
+    double damping = 0.0;         ///< γ the second-order data was computed with
+    std::int64_t world_size = 0;  ///< of the run that saved it (information only)
+    std::string strategy;         ///< its distribution strategy (information only)
+    health_counters health{};
+    std::map<std::string, std::string> layers;   ///< name → signature (layer_signature())
+    std::map<std::string, std::string> options;  ///< name → exact decimal text, or "schedule"
+    /// Per layer, in registration order: `<layer>.A`, `<layer>.G`, then its second-order tensors.
+    std::vector<tensor> tensors;
+    int version = format_version;  ///< the format version of the file it was read from
+    std::string library;           ///< the kfac version that wrote it
+};
+
+/// The archive save() writes: the tensors, and the state's fields as metadata, sealed.
+[[nodiscard]] inline archive to_archive(state_dict s) {
+    archive a;
+    a.tensors = std::move(s.tensors);
+    auto& m = a.metadata;
+    m[key::format] = format_name;
+    m[key::version] = std::to_string(format_version);
+    m[key::library] = library_version();
+    m[key::step] = std::to_string(s.step);
+    m[key::scalar] = s.scalar;
+    m[key::method] = s.method;
+    m[key::second_order] = s.second_order;
+    m[key::layers] = std::to_string(s.layers.size());
+    m[key::world_size] = std::to_string(s.world_size);
+    m[key::strategy] = s.strategy;
+    m[key::damping] = detail::exact_number_text(s.damping);
+    for (const auto& [name, signature] : s.layers) m[key::layer_prefix + name] = signature;
+    for (const auto& [name, value] : s.options) m[key::option_prefix + name] = value;
+    m[key::health_prefix + "skipped_factor_updates"] = std::to_string(s.health.skipped_factor_updates);
+    m[key::health_prefix + "kept_decompositions"] = std::to_string(s.health.kept_decompositions);
+    m[key::health_prefix + "zeroed_gradients"] = std::to_string(s.health.zeroed_gradients);
+    m[key::checksum_scope] = checksum_scope_all;
+    seal(a);  // last: the checksum digests every other entry
+    return a;
+}
+
+/// The state an archive holds, its header and metadata checked (check_header(); the layer
+/// count; the health counters). The tensors' names, shapes and values are checked against
+/// the preconditioner that loads them. Files of version 1 carry no world size or strategy.
+/// @throws kfac::error naming `source`, the entry, and what was wrong with it.
+[[nodiscard]] inline state_dict from_archive(archive a, const std::string& source) {
+    const header h = check_header(a, source);
+    state_dict s;
+    s.version = h.version;
+    s.library = h.library;
+    s.step = h.step;
+    s.scalar = h.scalar;
+    s.method = h.method;
+    s.second_order = h.second_order;
+    s.damping = h.damping;
+    for (const auto& [k, v] : a.metadata) {
+        if (k.rfind(key::layer_prefix, 0) == 0) s.layers[k.substr(key::layer_prefix.size())] = v;
+        if (k.rfind(key::option_prefix, 0) == 0) s.options[k.substr(key::option_prefix.size())] = v;
+    }
+    if (const auto declared = metadata_count(a, key::layers, source); declared != static_cast<std::int64_t>(s.layers.size()))
+        throw error("checkpoint " + source + ": metadata '" + key::layers + "' = '" + std::to_string(declared) +
+                    "' but it holds " + std::to_string(s.layers.size()) + " layer entries; the file is corrupt (use "
+                    "an earlier checkpoint)");
+    // Information only, never checked on load: read where present and well formed.
+    if (const auto it = a.metadata.find(key::world_size); it != a.metadata.end())
+        s.world_size = std::strtoll(it->second.c_str(), nullptr, 10);
+    if (const auto it = a.metadata.find(key::strategy); it != a.metadata.end()) s.strategy = it->second;
+    s.health.skipped_factor_updates = metadata_count(a, key::health_prefix + "skipped_factor_updates", source);
+    s.health.kept_decompositions = metadata_count(a, key::health_prefix + "kept_decompositions", source);
+    s.health.zeroed_gradients = metadata_count(a, key::health_prefix + "zeroed_gradients", source);
+    s.tensors = std::move(a.tensors);
+    return s;
+}
+
+}  // namespace kfac::checkpoint
