@@ -10,11 +10,18 @@
 /// non-update step. float32, random activations and gradients of each layer's shapes. Rank 0
 /// prints one JSON object per line; kfac_schedule_study --measured reads them. A first line
 /// ("calibration") measures the machine at this world size for the study's cost model.
+///
+/// With --waits, one line instead: the time of a round of a step's control traffic (a little
+/// work on each rank, an agreement and a broadcast of one number) through comm::mpi, which
+/// waits by testing and yielding the processor, and through MPICH's blocking MPI_Allreduce and
+/// MPI_Bcast, which poll without yielding: at more ranks than cores the ratio shows what the
+/// yield is worth (README, "Build time").
 
 #include <mpi.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -176,6 +183,40 @@ machine_calibration calibrate(int world) {
     return c;
 }
 
+/// Microseconds per round of control traffic, through comm::mpi and through blocking MPI calls.
+void print_waits(int world) {
+    constexpr int rounds = 200;
+    std::vector<float> work(4096, 1.0f);
+    auto compute = [&] {  // about 10 µs of arithmetic, so that ranks arrive one after another
+        for (int k = 0; k < 8; ++k)
+            for (auto& x : work) x = x * 0.999f + 0.001f;
+    };
+    kfac::comm::mpi comm;
+    float value = 1.0f;
+    const double library = slowest_median_s([&] {
+        for (int r = 0; r < rounds; ++r) {
+            compute();
+            (void)comm.agree(std::nullopt);
+            comm.broadcast(&value, 1, r % world, comm.world());
+            comm.wait();
+        }
+    }, 3);
+    const double blocking = slowest_median_s([&] {
+        for (int r = 0; r < rounds; ++r) {
+            compute();
+            int mine = world, first = world;
+            MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+            MPI_Bcast(&value, 1, MPI_FLOAT, r % world, MPI_COMM_WORLD);
+        }
+    }, 3);
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0)
+        std::printf("{\"waits\": true, \"world\": %d, \"library_round_us\": %.2f, \"blocking_round_us\": %.2f, "
+                    "\"blocking_over_library\": %.2f, \"work_checksum\": %.3f}\n",
+                    world, 1e6 * library / rounds, 1e6 * blocking / rounds, blocking / library, work[0]);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -186,6 +227,11 @@ int main(int argc, char** argv) {
     std::string model_path, method = "eigen";
     std::int64_t batch = 0;
     int iterations = 3;
+    if (argc > 1 && std::string(argv[1]) == "--waits") {
+        print_waits(world);
+        MPI_Finalize();
+        return 0;
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
         const std::string arg = argv[i], value = argv[i + 1];
         if (arg == "--model") model_path = value;

@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -31,6 +32,23 @@ inline void check_mpi(int code, const char* call) {
     int length = 0;
     MPI_Error_string(code, text, &length);
     throw error(std::string("MPI call ") + call + " failed: " + std::string(text, static_cast<std::size_t>(length)));
+}
+
+/// Completes `requests` by testing them and, between tests, yielding the processor: a rank that
+/// waits for the others leaves its core to a rank that computes when there are more ranks than
+/// cores (a laptop, a CI runner; MPICH's own wait polls without yielding). With a core each, a
+/// yield returns at once and this is the busy wait MPI_Waitall would do.
+inline void wait_all(std::vector<MPI_Request>& requests, const char* call) {
+    if (requests.empty()) return;
+    for (int done = 0;;) {
+        check_mpi(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), call);
+        if (done) return;
+        std::this_thread::yield();
+    }
+}
+inline void wait_one(MPI_Request request, const char* call) {
+    std::vector<MPI_Request> one{request};
+    wait_all(one, call);
 }
 
 template <class T>
@@ -155,8 +173,7 @@ public:
             ++state_->counters.allreduce_calls;
             state_->counters.allreduce_bytes += static_cast<std::int64_t>(n * sizeof(T));
         }
-        detail::check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
-                          "MPI_Waitall");
+        detail::wait_all(requests, "MPI_Iallreduce");
         std::size_t off = 0;
         for (const auto& it : items) {
             if (pack_symmetric && it.symmetric) detail::unpack_lower(buffer.data() + off, it.dim, it.data);
@@ -180,8 +197,7 @@ public:
         if (state_->pending.empty()) return;
         auto requests = std::move(state_->pending);
         state_->pending.clear();
-        detail::check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
-                          "MPI_Waitall");
+        detail::wait_all(requests, "MPI_Ibcast");
     }
 
     /// Every rank learns whether any failed; all get the lowest failing rank's message.
@@ -190,22 +206,29 @@ public:
         if (world == 1) return local_error;
         int mine = local_error ? state_->rank : world;
         int first = world;
-        detail::check_mpi(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, state_->world.comm), "MPI_Allreduce");
+        MPI_Request r = MPI_REQUEST_NULL;
+        detail::check_mpi(MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, state_->world.comm, &r), "MPI_Iallreduce");
+        detail::wait_one(r, "MPI_Iallreduce");
         ++state_->counters.control_calls;
         if (first == world) return std::nullopt;
         std::string message = state_->rank == first ? *local_error : std::string();
         int length = static_cast<int>(message.size());
-        MPI_Bcast(&length, 1, MPI_INT, first, state_->world.comm);
+        detail::check_mpi(MPI_Ibcast(&length, 1, MPI_INT, first, state_->world.comm, &r), "MPI_Ibcast");
+        detail::wait_one(r, "MPI_Ibcast");
         message.resize(static_cast<std::size_t>(length));
-        MPI_Bcast(message.data(), length, MPI_CHAR, first, state_->world.comm);
+        detail::check_mpi(MPI_Ibcast(message.data(), length, MPI_CHAR, first, state_->world.comm, &r), "MPI_Ibcast");
+        detail::wait_one(r, "MPI_Ibcast");
         state_->counters.control_calls += 2;
         return "rank " + std::to_string(first) + ": " + message;
     }
 
     std::vector<std::uint64_t> allgather(std::uint64_t value) {
         std::vector<std::uint64_t> out(static_cast<std::size_t>(state_->size));
-        detail::check_mpi(MPI_Allgather(&value, 1, MPI_UINT64_T, out.data(), 1, MPI_UINT64_T, state_->world.comm),
-                          "MPI_Allgather");
+        MPI_Request r = MPI_REQUEST_NULL;
+        detail::check_mpi(
+            MPI_Iallgather(&value, 1, MPI_UINT64_T, out.data(), 1, MPI_UINT64_T, state_->world.comm, &r),
+            "MPI_Iallgather");
+        detail::wait_one(r, "MPI_Iallgather");
         ++state_->counters.control_calls;
         return out;
     }
@@ -216,12 +239,15 @@ public:
         std::string out = state_->rank == root ? text : std::string();
         if (state_->size == 1) return out;
         std::uint64_t length = out.size();
-        detail::check_mpi(MPI_Bcast(&length, 1, MPI_UINT64_T, root, state_->world.comm), "MPI_Bcast");
+        MPI_Request r = MPI_REQUEST_NULL;
+        detail::check_mpi(MPI_Ibcast(&length, 1, MPI_UINT64_T, root, state_->world.comm, &r), "MPI_Ibcast");
+        detail::wait_one(r, "MPI_Ibcast");
         out.resize(static_cast<std::size_t>(length));
         constexpr std::size_t piece = std::size_t(1) << 30;
         for (std::size_t at = 0; at < out.size(); at += piece) {
             const auto n = static_cast<int>(std::min(piece, out.size() - at));
-            detail::check_mpi(MPI_Bcast(out.data() + at, n, MPI_CHAR, root, state_->world.comm), "MPI_Bcast");
+            detail::check_mpi(MPI_Ibcast(out.data() + at, n, MPI_CHAR, root, state_->world.comm, &r), "MPI_Ibcast");
+            detail::wait_one(r, "MPI_Ibcast");
             ++state_->counters.control_calls;
         }
         ++state_->counters.control_calls;
@@ -230,9 +256,11 @@ public:
 
     void allreduce_max(std::vector<std::int64_t>& values) {
         if (state_->size == 1 || values.empty()) return;
-        detail::check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), detail::checked_count(values.size()),
-                                        MPI_INT64_T, MPI_MAX, state_->world.comm),
-                          "MPI_Allreduce");
+        MPI_Request r = MPI_REQUEST_NULL;
+        detail::check_mpi(MPI_Iallreduce(MPI_IN_PLACE, values.data(), detail::checked_count(values.size()), MPI_INT64_T,
+                                         MPI_MAX, state_->world.comm, &r),
+                          "MPI_Iallreduce");
+        detail::wait_one(r, "MPI_Iallreduce");
         ++state_->counters.control_calls;
     }
 
