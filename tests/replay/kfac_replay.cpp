@@ -18,7 +18,7 @@
 // --backend: cpu (cpu_eigen, the default); cuda (backend::cuda, in the kfac_replay_cuda
 // build, which exits 77 when no CUDA device is present); staged (a CPU backend that declares
 // its data device-resident, so every collective goes through the host staging of device
-// backends: the MPI tests use it to check that path without a GPU).
+// backends: the MPI tests use it to check that path without a GPU; in double only, --double).
 //
 // Under `mpiexec -n W` (when built with MPI) each rank takes its contiguous block of every
 // step's rows; errors are maximised over ranks. Prints, per case, the largest error per
