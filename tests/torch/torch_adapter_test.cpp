@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <string>
@@ -17,6 +18,8 @@
 
 #include <kfac/kfac.hpp>
 #include <kfac/layers/torch.hpp>
+
+#include "trace_models.hpp"
 
 namespace F = torch::nn::functional;
 namespace nn = torch::nn;
@@ -1187,4 +1190,18 @@ TEST_CASE("a norm layer's blocks are the mean outer product of its per-example g
                      [&](const torch::Tensor& x) { return fc(torch::tanh(bn(x)).mean({2, 3})); },
                      torch::randn({n, 4, 3, 3}, torch::kDouble));
     }
+}
+
+TEST_CASE("the registration reports of the flagship's models and of a transformer-like stack are as recorded",
+          "[torch][registration]") {
+    // Recorded on the commit before the adapter was split into rooms; the reports depend on the
+    // module types and options alone, not on the machine (tests/torch/torch_traces.cpp prints
+    // them with its step traces).
+    std::ifstream in(KFAC_TORCH_REGISTRATION_FIXTURE);
+    REQUIRE(in);
+    std::vector<std::string> expected;
+    for (std::string line; std::getline(in, line);) expected.push_back(line);
+    const std::vector<std::string> actual = kfac_test::registration_reports();
+    REQUIRE(actual.size() == expected.size());
+    for (std::size_t i = 0; i < actual.size(); ++i) CHECK(actual[i] == expected[i]);
 }
