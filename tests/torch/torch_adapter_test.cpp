@@ -1205,3 +1205,35 @@ TEST_CASE("the registration reports of the flagship's models and of a transforme
     REQUIRE(actual.size() == expected.size());
     for (std::size_t i = 0; i < actual.size(); ++i) CHECK(actual[i] == expected[i]);
 }
+
+TEST_CASE("track() takes a holder of every module type in the adapter's table, and names them when refusing another",
+          "[torch][registration]") {
+    kfac::torch::tracker<float> tracker;
+    nn::Linear linear(3, 4);
+    nn::Conv2d conv2d(nn::Conv2dOptions(2, 3, 3));
+    nn::Conv1d conv1d(nn::Conv1dOptions(2, 3, 3));
+    nn::Embedding embedding(10, 4);
+    nn::LayerNorm layer_norm(nn::LayerNormOptions({2, 3}));
+    nn::BatchNorm1d bn1(5);
+    nn::BatchNorm2d bn2(6);
+    nn::BatchNorm3d bn3(7);
+    CHECK(tracker.track("linear", linear).description().kind == kfac::layer_kind::linear);
+    CHECK(tracker.track("conv2d", conv2d).description().kind == kfac::layer_kind::conv2d);
+    CHECK(tracker.track("conv1d", conv1d).description().kind == kfac::layer_kind::conv1d);
+    CHECK(tracker.track("embedding", embedding).description().kind == kfac::layer_kind::embedding);
+    const auto& ln = tracker.track("layer_norm", layer_norm).description();
+    CHECK(ln.kind == kfac::layer_kind::layer_norm);
+    CHECK(ln.out == 6);  // normalized_shape {2, 3}, seen as one dimension of their product
+    const auto& d1 = tracker.track("bn1", bn1).description();
+    const auto& d2 = tracker.track("bn2", bn2).description();
+    const auto& d3 = tracker.track("bn3", bn3).description();
+    CHECK((d1.kind == kfac::layer_kind::batch_norm && d2.kind == d1.kind && d3.kind == d1.kind));
+    CHECK((d1.out == 5 && d2.out == 6 && d3.out == 7));
+    CHECK(tracker.size() == 8);
+    nn::GroupNorm group_norm(2, 4);
+    CHECK_THROWS_WITH(tracker.track("gn", group_norm.ptr()),
+                      Catch::Contains("module 'gn'") && Catch::Contains("is none of torch::nn::Linear, Conv2d, Conv1d, "
+                                                                        "Embedding, LayerNorm, BatchNorm1d, BatchNorm2d, "
+                                                                        "BatchNorm3d"));
+    CHECK(tracker.size() == 8);
+}

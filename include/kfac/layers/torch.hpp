@@ -107,7 +107,7 @@
 /// The adapter's rooms (kfac/layers/torch/): capture (an application, a tracked module's state,
 /// the thread's observer), operator_calls (a recognised call's arguments), observer (the
 /// RecordFunction callbacks and backward hooks), views (tensors as tensor_view), modules (the
-/// module types: descriptions, weights, what is left out), tracker (tracked_layer, its
+/// table of module types: per type its parameters, description and why it is left out), tracker (tracked_layer, its
 /// layer_traits, tracker), registration (register_modules, track_modules, the report).
 
 #include "kfac/layers/torch/registration.hpp"

@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file torch/modules.hpp
-/// The torch::nn module types the adapter knows: their descriptions (convolution geometry), which
-/// are left out and why, their weights, and the skip filter.
+/// The torch::nn module types the adapter takes, as a table: per type (module_entry<Impl>) its
+/// parameters, its description (a convolution's geometry from its options) and why it is left
+/// out; module_types lists them, parts_of() probes a module against the list.
 /// A room of the LibTorch adapter (kfac/layers/torch.hpp, which says how the adapter works).
 
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <tuple>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -81,60 +84,152 @@ layer_description describe_conv(const std::string& name, const ConvImpl& m) {
     return d;
 }
 
-/// Why register_modules leaves an Embedding out (empty when it can be preconditioned).
-inline std::string embedding_left_out(const ::torch::nn::EmbeddingImpl& e) {
-    if (e.options.sparse())
-        return "sparse = true: a sparse gradient cannot be preconditioned in place";
-    if (e.options.scale_grad_by_freq())
-        return "scale_grad_by_freq = true: its gradient is already divided by the token counts, which K-FAC's "
-               "A factor would divide again";
-    return {};
-}
-
-/// The weight (scale) and bias (shift) of a normalisation module, its channels and its type.
-struct norm_module {
-    at::Tensor* weight = nullptr;
-    at::Tensor* bias = nullptr;
-    std::int64_t channels = 0;
-    const char* type = "";
-    layer_kind kind = layer_kind::layer_norm;
+/// What the adapter reads of a module of a type it takes.
+struct module_parts {
+    const char* type = "";  ///< "Linear", "BatchNorm2d"
+    layer_kind kind = layer_kind::linear;
+    at::Tensor* weight = nullptr;  ///< undefined for a normalisation module without affine parameters
+    at::Tensor* bias = nullptr;    ///< nullptr where the module has none to precondition
+    /// Its description (may throw: padding 'same' that pads unevenly); `name` names it in errors.
+    std::function<layer_description(const std::string& name)> describe;
+    /// Why register_modules leaves it out and track() refuses it, beyond what every type is
+    /// checked for (frozen, no affine parameters); empty when it can be preconditioned.
+    std::string left_out;
 };
 
-/// A LayerNorm or BatchNorm1d/2d/3d module's parts (nullopt for other modules).
-inline std::optional<norm_module> as_norm_module(::torch::nn::Module* m) {
-    if (auto* n = dynamic_cast<::torch::nn::LayerNormImpl*>(m)) {
-        std::int64_t features = 1;
-        for (auto e : n->options.normalized_shape()) features *= e;
-        return norm_module{&n->weight, &n->bias, features, "LayerNorm", layer_kind::layer_norm};
+/// How the adapter reads one torch::nn module type: its entry, a specialisation per type, listed in
+/// module_types below. (Adding a module type is one specialisation, one entry in the list, and
+/// the handler of its operator in operator_calls.hpp and observer.hpp.)
+template <class Impl>
+struct module_entry;
+
+template <>
+struct module_entry<::torch::nn::LinearImpl> {
+    static constexpr const char* name = "Linear";
+    static module_parts parts(::torch::nn::LinearImpl& m) {
+        return {name, layer_kind::linear, &m.weight, &m.bias, [&m](const std::string&) {
+                    return linear_description(m.options.in_features(), m.options.out_features(), m.bias.defined());
+                }, {}};
     }
-    if (auto* b = dynamic_cast<::torch::nn::BatchNorm1dImpl*>(m))
-        return norm_module{&b->weight, &b->bias, b->options.num_features(), "BatchNorm1d", layer_kind::batch_norm};
-    if (auto* b = dynamic_cast<::torch::nn::BatchNorm2dImpl*>(m))
-        return norm_module{&b->weight, &b->bias, b->options.num_features(), "BatchNorm2d", layer_kind::batch_norm};
-    if (auto* b = dynamic_cast<::torch::nn::BatchNorm3dImpl*>(m))
-        return norm_module{&b->weight, &b->bias, b->options.num_features(), "BatchNorm3d", layer_kind::batch_norm};
-    return std::nullopt;
+};
+
+template <>
+struct module_entry<::torch::nn::Conv2dImpl> {
+    static constexpr const char* name = "Conv2d";
+    static module_parts parts(::torch::nn::Conv2dImpl& m) {
+        return {name, layer_kind::conv2d, &m.weight, &m.bias,
+                [&m](const std::string& layer) { return describe_conv<2>(layer, m); }, {}};
+    }
+};
+
+template <>
+struct module_entry<::torch::nn::Conv1dImpl> {
+    static constexpr const char* name = "Conv1d";
+    static module_parts parts(::torch::nn::Conv1dImpl& m) {
+        return {name, layer_kind::conv1d, &m.weight, &m.bias,
+                [&m](const std::string& layer) { return describe_conv<1>(layer, m); }, {}};
+    }
+};
+
+template <>
+struct module_entry<::torch::nn::EmbeddingImpl> {
+    static constexpr const char* name = "Embedding";
+    static module_parts parts(::torch::nn::EmbeddingImpl& m) {
+        std::string why;
+        if (m.options.sparse())
+            why = "sparse = true: a sparse gradient cannot be preconditioned in place";
+        else if (m.options.scale_grad_by_freq())
+            why = "scale_grad_by_freq = true: its gradient is already divided by the token counts, which K-FAC's "
+                  "A factor would divide again";
+        return {name, layer_kind::embedding, &m.weight, nullptr, [&m](const std::string&) {
+                    return embedding_description(m.options.num_embeddings(), m.options.embedding_dim());
+                }, std::move(why)};
+    }
+};
+
+/// A normalisation module's affine part: weight (scale) and bias (shift) per channel.
+template <class Impl>
+module_parts norm_parts(Impl& m, const char* type, layer_kind kind, std::int64_t channels) {
+    at::Tensor* bias = m.bias.defined() ? &m.bias : nullptr;
+    return {type, kind, &m.weight, bias, [channels, kind, with_bias = bias != nullptr](const std::string&) {
+                return kind == layer_kind::layer_norm ? layer_norm_description(channels, with_bias)
+                                                      : batch_norm_description(channels, with_bias);
+            }, {}};
 }
 
-/// The weight of a module the tracker can take (nullptr for other modules); undefined for a
-/// normalisation module without affine parameters.
-inline const at::Tensor* tracked_weight(::torch::nn::Module* m) {
-    if (auto* c = dynamic_cast<::torch::nn::Conv2dImpl*>(m)) return &c->weight;
-    if (auto* c = dynamic_cast<::torch::nn::Conv1dImpl*>(m)) return &c->weight;
-    if (auto* l = dynamic_cast<::torch::nn::LinearImpl*>(m)) return &l->weight;
-    if (auto* e = dynamic_cast<::torch::nn::EmbeddingImpl*>(m)) return &e->weight;
-    if (const auto n = as_norm_module(m)) return n->weight;
-    return nullptr;
+template <>
+struct module_entry<::torch::nn::LayerNormImpl> {
+    static constexpr const char* name = "LayerNorm";
+    static module_parts parts(::torch::nn::LayerNormImpl& m) {
+        std::int64_t features = 1;  // a LayerNorm over several dimensions is one over their product
+        for (auto e : m.options.normalized_shape()) features *= e;
+        return norm_parts(m, name, layer_kind::layer_norm, features);
+    }
+};
+
+template <>
+struct module_entry<::torch::nn::BatchNorm1dImpl> {
+    static constexpr const char* name = "BatchNorm1d";
+    static module_parts parts(::torch::nn::BatchNorm1dImpl& m) {
+        return norm_parts(m, name, layer_kind::batch_norm, m.options.num_features());
+    }
+};
+
+template <>
+struct module_entry<::torch::nn::BatchNorm2dImpl> {
+    static constexpr const char* name = "BatchNorm2d";
+    static module_parts parts(::torch::nn::BatchNorm2dImpl& m) {
+        return norm_parts(m, name, layer_kind::batch_norm, m.options.num_features());
+    }
+};
+
+template <>
+struct module_entry<::torch::nn::BatchNorm3dImpl> {
+    static constexpr const char* name = "BatchNorm3d";
+    static module_parts parts(::torch::nn::BatchNorm3dImpl& m) {
+        return norm_parts(m, name, layer_kind::batch_norm, m.options.num_features());
+    }
+};
+
+/// The module types the adapter takes, in the order a module is probed.
+using module_types = std::tuple<::torch::nn::LinearImpl, ::torch::nn::Conv2dImpl, ::torch::nn::Conv1dImpl,
+                                ::torch::nn::EmbeddingImpl, ::torch::nn::LayerNormImpl, ::torch::nn::BatchNorm1dImpl,
+                                ::torch::nn::BatchNorm2dImpl, ::torch::nn::BatchNorm3dImpl>;
+
+template <class Impl, class Tuple>
+inline constexpr bool is_module_type = false;
+template <class Impl, class... Impls>
+inline constexpr bool is_module_type<Impl, std::tuple<Impls...>> = (std::is_same_v<Impl, Impls> || ...);
+
+/// A module holder (torch::nn::Linear, ...) of a type the adapter takes.
+template <class Holder>
+concept known_module_holder = requires { typename Holder::ContainedType; } &&
+                              is_module_type<typename Holder::ContainedType, module_types>;
+
+/// Calls f(static_cast<Impl*>(nullptr)) for each type Impl of module_types, in order.
+template <class F>
+void for_each_module_type(F&& f) {
+    [&]<class... Impls>(std::tuple<Impls...>*) { (f(static_cast<Impls*>(nullptr)), ...); }(
+        static_cast<module_types*>(nullptr));
 }
 
-/// The kind of a module the tracker can take (nullopt for any other module).
-inline std::optional<layer_kind> trackable_kind(::torch::nn::Module* m) {
-    if (dynamic_cast<const ::torch::nn::LinearImpl*>(m) != nullptr) return layer_kind::linear;
-    if (dynamic_cast<const ::torch::nn::Conv2dImpl*>(m) != nullptr) return layer_kind::conv2d;
-    if (dynamic_cast<const ::torch::nn::Conv1dImpl*>(m) != nullptr) return layer_kind::conv1d;
-    if (dynamic_cast<const ::torch::nn::EmbeddingImpl*>(m) != nullptr) return layer_kind::embedding;
-    if (const auto n = as_norm_module(m)) return n->kind;
-    return std::nullopt;
+/// The parts of `m` if its type is one of module_types (nullopt otherwise, and for nullptr).
+inline std::optional<module_parts> parts_of(::torch::nn::Module* m) {
+    std::optional<module_parts> found;
+    for_each_module_type([&]<class Impl>(Impl*) {
+        if (found || m == nullptr) return;
+        if (auto* typed = dynamic_cast<Impl*>(m)) found = module_entry<Impl>::parts(*typed);
+    });
+    return found;
+}
+
+/// "torch::nn::Linear, Conv2d, ...": the types the adapter takes, for its errors.
+inline std::string module_type_list() {
+    std::string list;
+    for_each_module_type([&]<class Impl>(Impl*) {
+        list += (list.empty() ? "torch::nn::" : ", ") + std::string(module_entry<Impl>::name);
+    });
+    return list;
 }
 
 }  // namespace detail

@@ -100,8 +100,8 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
     for (const auto& item : model->named_modules(prefix, /*include_self=*/true)) {
         const std::shared_ptr<::torch::nn::Module>& m = item.value();
         const std::string name = item.key().empty() ? m->name() : item.key();
-        const auto kind = trackable_kind(m.get());
-        if (!kind) {
+        const auto parts = parts_of(m.get());
+        if (!parts) {
             if (has_own_parameters(*m))
                 report.not_preconditioned.push_back({name, module_type(*m), "no K-FAC block for this module type"});
             continue;
@@ -109,23 +109,21 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
         auto left_out = [&](std::string reason) {
             report.not_preconditioned.push_back({name, module_type(*m), std::move(reason)});
         };
-        if (skip.match_layer(name, *kind)) {
+        if (skip.match_layer(name, parts->kind)) {
             left_out("matched by options.skip_layers");
             continue;
         }
-        const at::Tensor& weight = *tracked_weight(m.get());
-        const auto* embedding = dynamic_cast<const ::torch::nn::EmbeddingImpl*>(m.get());
-        if (!weight.defined() && is_normalization(*kind)) continue;  // no affine parameters: nothing to precondition
+        const at::Tensor& weight = *parts->weight;
+        if (!weight.defined() && is_normalization(parts->kind)) continue;  // no affine parameters: nothing to precondition
         if (weight.defined() && !weight.requires_grad()) {
             left_out("frozen: the weight has requires_grad = false");
             continue;
         }
-        if (embedding)
-            if (std::string why = embedding_left_out(*embedding); !why.empty()) {
-                left_out(std::move(why));
-                continue;
-            }
-        auto s = tracker.prepare(name, m, states);
+        if (!parts->left_out.empty()) {
+            left_out(parts->left_out);
+            continue;
+        }
+        auto s = tracker_access::prepare(tracker, name, m, states);
         kfac::detail::check_description(name, s->description);
         states.push_back(std::move(s));
     }
@@ -152,7 +150,7 @@ template <class Scalar, class Model>
 tracked_modules<Scalar> track_modules(tracker<Scalar>& tracker, const Model& model, const options& opts = {},
                                       const std::string& prefix = "") {
     auto [report, states] = detail::prepare_modules(tracker, model, opts, prefix);
-    return {std::move(report), tracker.adopt(std::move(states))};
+    return {std::move(report), detail::tracker_access::adopt(tracker, std::move(states))};
 }
 
 /// Tracks and registers every torch::nn::Linear, Conv2d, Conv1d, Embedding, LayerNorm and
@@ -176,13 +174,13 @@ registration register_modules(Preconditioner& preconditioner, tracker<Scalar>& t
             throw error("torch adapter: layer '" + s->name + "' is already registered with the preconditioner; "
                         "register a model once (or give register_modules a prefix)");
     // Everything checked: the preconditioner takes all layers or none, and the tracker follows.
-    const auto tracked = tracker.adopt(std::move(states));
+    const auto tracked = detail::tracker_access::adopt(tracker, std::move(states));
     std::vector<std::pair<std::string, tracked_layer<Scalar>*>> list;
     for (auto* l : tracked) list.emplace_back(l->name(), l);
     try {
         preconditioner.register_layers(list);
     } catch (...) {
-        tracker.drop_last(tracked.size());
+        detail::tracker_access::drop_last(tracker, tracked.size());
         throw;
     }
     return report;

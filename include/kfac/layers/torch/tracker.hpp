@@ -37,6 +37,32 @@
 
 namespace kfac::torch {
 
+template <class Scalar>
+class tracker;
+template <class Scalar>
+class tracked_layer;
+
+namespace detail {
+/// The registration's way to a tracker's internals (prepare, adopt, drop_last), which are not
+/// part of its interface.
+struct tracker_access {
+    template <class Scalar>
+    static std::shared_ptr<layer_state> prepare(const tracker<Scalar>& t, const std::string& name,
+                                                const std::shared_ptr<::torch::nn::Module>& module,
+                                                const std::vector<std::shared_ptr<layer_state>>& pending) {
+        return t.prepare(name, module, pending);
+    }
+    template <class Scalar>
+    static std::vector<tracked_layer<Scalar>*> adopt(tracker<Scalar>& t, std::vector<std::shared_ptr<layer_state>> states) {
+        return t.adopt(std::move(states));
+    }
+    template <class Scalar>
+    static void drop_last(tracker<Scalar>& t, std::size_t count) noexcept {
+        t.drop_last(count);
+    }
+};
+}  // namespace detail
+
 /// A tracked `torch::nn::Linear`, `Conv2d`, `Conv1d`, `Embedding`, `LayerNorm` or
 /// `BatchNorm1d/2d/3d`:
 /// what the preconditioner registers
@@ -161,40 +187,18 @@ public:
     tracker(const tracker&) = delete;
     tracker& operator=(const tracker&) = delete;
 
-    /// Tracks a Linear module under `name`.
-    /// @throws kfac::error for a duplicate name or module, a frozen weight, or a module not of
-    ///         Scalar on the CPU or a CUDA device; nothing is tracked then.
-    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Linear& module) {
+    /// Tracks a module (a holder: torch::nn::Linear, Conv2d, Conv1d, Embedding, LayerNorm,
+    /// BatchNorm1d/2d/3d; detail::module_types lists them) under `name`.
+    /// @throws kfac::error for a duplicate name or module, a frozen weight, a module not of
+    ///         Scalar on the CPU or a CUDA device, padding 'same' that pads unevenly, a sparse or
+    ///         scale_grad_by_freq Embedding, a normalisation module without affine parameters;
+    ///         nothing is tracked then.
+    template <detail::known_module_holder Holder>
+    tracked_layer<Scalar>& track(const std::string& name, const Holder& module) {
         return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
     }
-    /// Tracks a Conv2d module under `name`.
-    /// @throws kfac::error as above, or for padding 'same' that pads unevenly.
-    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Conv2d& module) {
-        return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
-    }
-    /// Tracks a Conv1d module under `name`.
-    /// @throws kfac::error as above, or for padding 'same' that pads unevenly.
-    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Conv1d& module) {
-        return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
-    }
-    /// Tracks an Embedding module under `name`.
-    /// @throws kfac::error as above, or for a sparse or scale_grad_by_freq Embedding.
-    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::Embedding& module) {
-        return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
-    }
-    /// Tracks a LayerNorm module under `name` (with its elementwise affine parameters).
-    /// @throws kfac::error as above, or for a LayerNorm without them.
-    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::LayerNorm& module) {
-        return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
-    }
-    /// Tracks a BatchNorm2d module under `name` (BatchNorm1d and 3d through the overload below).
-    /// @throws kfac::error as above, or for a BatchNorm without affine parameters.
-    tracked_layer<Scalar>& track(const std::string& name, const ::torch::nn::BatchNorm2d& module) {
-        return track(name, std::static_pointer_cast<::torch::nn::Module>(module.ptr()));
-    }
-    /// Tracks a module that is a torch::nn::LinearImpl, Conv2dImpl, Conv1dImpl, EmbeddingImpl,
-    /// LayerNormImpl or BatchNorm1d/2d/3dImpl.
-    /// @throws kfac::error for any other module, and as above.
+    /// Tracks a module of one of those types held as a torch::nn::Module.
+    /// @throws kfac::error for a module of any other type, and as above.
     tracked_layer<Scalar>& track(const std::string& name, const std::shared_ptr<::torch::nn::Module>& module) {
         auto s = prepare(name, module, {});
         return *adopt({std::move(s)}).front();
@@ -208,6 +212,11 @@ public:
     }
     [[nodiscard]] std::size_t size() const noexcept { return layers_.size(); }
 
+private:
+    // The steps of an all-or-nothing registration (kfac/layers/torch/registration.hpp), through
+    // detail::tracker_access: prepare every state, then adopt them all, or drop them again.
+    friend struct detail::tracker_access;
+
     /// A checked state for `module` under `name`, also checked against `pending` (states
     /// about to be adopted with it); changes nothing.
     /// @throws kfac::error as track().
@@ -218,46 +227,21 @@ public:
         s->name = name;
         s->module = module;
         s->scalar = detail::scalar_type_of<Scalar>();
-        if (auto* linear = dynamic_cast<::torch::nn::LinearImpl*>(module.get())) {
-            s->type = "Linear";
-            s->weight = &linear->weight;
-            s->bias = &linear->bias;
-            s->description = linear_description(linear->options.in_features(),
-                                                linear->options.out_features(), linear->bias.defined());
-        } else if (auto* conv = dynamic_cast<::torch::nn::Conv2dImpl*>(module.get())) {
-            s->type = "Conv2d";
-            s->weight = &conv->weight;
-            s->bias = &conv->bias;
-            s->description = detail::describe_conv<2>(name, *conv);
-        } else if (auto* conv1d = dynamic_cast<::torch::nn::Conv1dImpl*>(module.get())) {
-            s->type = "Conv1d";
-            s->weight = &conv1d->weight;
-            s->bias = &conv1d->bias;
-            s->description = detail::describe_conv<1>(name, *conv1d);
-        } else if (auto* embedding = dynamic_cast<::torch::nn::EmbeddingImpl*>(module.get())) {
-            s->type = "Embedding";
-            s->weight = &embedding->weight;
-            s->bias = &s->no_bias;
-            s->description = embedding_description(embedding->options.num_embeddings(),
-                                                   embedding->options.embedding_dim());
-            if (const std::string why = detail::embedding_left_out(*embedding); !why.empty())
-                throw error("torch adapter: " + s->who() + ": " + why + "; leave the layer out "
-                            "(kfac::torch::register_modules does) or construct it without that option");
-        } else if (const auto norm = detail::as_norm_module(module.get())) {
-            s->type = norm->type;
-            s->weight = norm->weight;
-            s->bias = norm->bias->defined() ? norm->bias : &s->no_bias;
-            s->description = norm->kind == layer_kind::layer_norm ? layer_norm_description(norm->channels, s->bias->defined())
-                                                                  : batch_norm_description(norm->channels, s->bias->defined());
-            if (!s->weight->defined())
-                throw error("torch adapter: " + s->who() + " has no affine parameters (elementwise_affine or affine "
-                            "is false), so there is nothing to precondition; leave it out (kfac::torch::register_modules "
-                            "does)");
-        } else {
-            throw error("torch adapter: module '" + name + "' (" +
-                        (module ? module->name() : std::string("null")) +
-                        ") is none of torch::nn::Linear, Conv2d, Conv1d, Embedding, LayerNorm, BatchNorm1d/2d/3d");
-        }
+        const auto parts = detail::parts_of(module.get());
+        if (!parts)
+            throw error("torch adapter: module '" + name + "' (" + (module ? module->name() : std::string("null")) +
+                        ") is none of " + detail::module_type_list());
+        s->type = parts->type;
+        s->weight = parts->weight;
+        s->bias = parts->bias != nullptr ? parts->bias : &s->no_bias;
+        s->description = parts->describe(name);
+        if (!parts->left_out.empty())
+            throw error("torch adapter: " + s->who() + ": " + parts->left_out + "; leave the layer out "
+                        "(kfac::torch::register_modules does) or construct it without that option");
+        if (!s->weight->defined())  // a normalisation module without affine parameters
+            throw error("torch adapter: " + s->who() + " has no affine parameters (elementwise_affine or affine "
+                        "is false), so there is nothing to precondition; leave it out (kfac::torch::register_modules "
+                        "does)");
         const std::vector<std::shared_ptr<detail::layer_state>>& tracked = core_->layers;
         for (const auto* list : {&tracked, &pending})
             for (const auto& l : *list) {
@@ -300,7 +284,6 @@ public:
         }
     }
 
-private:
     std::shared_ptr<detail::tracker_core> core_;
     std::vector<std::unique_ptr<tracked_layer<Scalar>>> layers_;  // stable addresses
 };
