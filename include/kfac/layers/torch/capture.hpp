@@ -172,6 +172,31 @@ template struct record_function_inputs<&at::RecordFunction::inputs_>;
 
 enum class op_kind { none, transpose, addmm, matmul, mm, linear, conv2d, conv1d, embedding, layer_norm, batch_norm };
 
+/// The families of recognised operators, each with one handler: which tracked layers its calls
+/// apply (match() below), and what its arguments say (read_call() in operator_calls.hpp):
+///   transpose  aten::t of a Linear's weight: marks the transposed weight a product will take
+///   linear     aten::addmm, matmul, mm of that transposed weight, or aten::linear
+///   conv       aten::conv2d, conv1d: the call's geometry against the module's
+///   embedding  aten::embedding
+///   norm       aten::layer_norm, batch_norm: how the call normalised its input
+enum class op_family { none, transpose, linear, conv, embedding, norm };
+
+inline constexpr op_family family_of(op_kind k) noexcept {
+    switch (k) {
+        case op_kind::transpose: return op_family::transpose;
+        case op_kind::addmm:
+        case op_kind::matmul:
+        case op_kind::mm:
+        case op_kind::linear: return op_family::linear;
+        case op_kind::conv2d:
+        case op_kind::conv1d: return op_family::conv;
+        case op_kind::embedding: return op_family::embedding;
+        case op_kind::layer_norm:
+        case op_kind::batch_norm: return op_family::norm;
+        default: return op_family::none;
+    }
+}
+
 /// The operators the observer looks at, by schema name.
 inline op_kind classify(const char* name) noexcept {
     if (name == nullptr || std::strncmp(name, "aten::", 6) != 0) return op_kind::none;
@@ -225,37 +250,39 @@ inline operand_positions positions(op_kind k) noexcept {
     }
 }
 
+/// Whether a call of `kind` (of its family) whose weight operand is `key` applies layer `l`.
+inline bool applies(const layer_state& l, op_kind kind, const at::TensorImpl* key) {
+    const bool own_weight = key == l.weight->unsafeGetTensorImpl();
+    switch (family_of(kind)) {
+        case op_family::transpose: return l.description.kind == layer_kind::linear && own_weight;
+        case op_family::linear:
+            if (!positions(kind).transposed) return l.description.kind == layer_kind::linear && own_weight;  // aten::linear
+            return l.description.kind == layer_kind::linear && l.transposed.defined() &&
+                   key == l.transposed.unsafeGetTensorImpl();
+        // A call of the other kind of convolution is an application K-FAC cannot describe:
+        // read_call() records why.
+        case op_family::conv: return is_convolution(l.description.kind) && own_weight;
+        case op_family::embedding: return l.description.kind == layer_kind::embedding && own_weight;
+        case op_family::norm:
+            return l.description.kind == (kind == op_kind::layer_norm ? layer_kind::layer_norm : layer_kind::batch_norm) &&
+                   own_weight;
+        default: return false;
+    }
+}
+
 /// The tracked layer, in training mode, whose weight (or transposed weight) `key` is, for an
 /// operator of `kind`.
 inline std::shared_ptr<layer_state> match(const thread_observer& obs, op_kind kind, const at::TensorImpl* key) {
-    const bool transposed = positions(kind).transposed;
     for (const auto& weak : obs.trackers) {
         const auto core = weak.lock();
         if (!core) continue;
         for (const auto& l : core->layers) {
             if (!l->weight->defined() || !l->weight->requires_grad() || !l->module->is_training()) continue;
-            const bool linear = l->description.kind == layer_kind::linear;
-            const bool embedding = l->description.kind == layer_kind::embedding;
-            if (kind == op_kind::layer_norm || kind == op_kind::batch_norm) {
-                const layer_kind norm = kind == op_kind::layer_norm ? layer_kind::layer_norm : layer_kind::batch_norm;
-                if (l->description.kind == norm && key == l->weight->unsafeGetTensorImpl()) return l;
-            } else if (kind == op_kind::transpose || kind == op_kind::linear) {
-                if (linear && key == l->weight->unsafeGetTensorImpl()) return l;
-            } else if (transposed) {
-                if (linear && l->transposed.defined() && key == l->transposed.unsafeGetTensorImpl()) return l;
-            } else if (kind == op_kind::embedding) {
-                if (embedding && key == l->weight->unsafeGetTensorImpl()) return l;
-            } else if (is_convolution(l->description.kind) && key == l->weight->unsafeGetTensorImpl()) {
-                // A call of the other kind of convolution is an application K-FAC cannot
-                // describe: on_operator_start records why.
-                return l;
-            }
+            if (applies(*l, kind, key)) return l;
         }
     }
     return nullptr;
 }
-
-/// "[2, 2]".
 
 }  // namespace detail
 }  // namespace kfac::torch

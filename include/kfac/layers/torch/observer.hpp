@@ -53,18 +53,7 @@ inline std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFu
     } else {
         if (where.transposed) layer->transposed.reset();
         call->input = args[where.input].toTensor();
-        if (kind == op_kind::conv2d || kind == op_kind::conv1d) {
-            const bool module_one_d = layer->description.kind == layer_kind::conv1d;
-            if (module_one_d != (kind == op_kind::conv1d))
-                call->problem = "torch adapter: " + layer->who() + ": its weight was used by aten::" +
-                                (kind == op_kind::conv1d ? "conv1d" : "conv2d") + ", another kind of convolution "
-                                "than the module's; call the module itself or leave the layer out with "
-                                "options.skip_layers";
-            else
-                call->problem = conv_call_mismatch(*layer, args);
-        }
-        if (kind == op_kind::layer_norm || kind == op_kind::batch_norm)
-            call->norm = read_norm_call(kind, args, *layer, call->problem);
+        read_call(kind, args, *layer, *call);
         ++obs.depth;  // operators nested in this one are not looked at
     }
     call->layer = std::move(layer);

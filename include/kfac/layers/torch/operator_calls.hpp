@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file torch/operator_calls.hpp
-/// The arguments of a recognised operator call read as the module's options: a convolution's
-/// geometry (checked against the module's) and how a normalisation operator normalised its input.
+/// The arguments of a recognised operator call read as the module's options, one handler per
+/// operator family (read_call): a convolution's geometry (checked against the module's) and how
+/// a normalisation operator normalised its input.
 /// A room of the LibTorch adapter (kfac/layers/torch.hpp, which says how the adapter works).
 
 #include <array>
@@ -127,6 +128,28 @@ inline norm_call read_norm_call(op_kind kind, c10::ArrayRef<const c10::IValue> a
         n.var = args[4].toTensor().detach().clone();
     }
     return n;
+}
+
+/// Why a convolution call cannot be an application of the convolution layer `l` (empty when it
+/// can): another kind of convolution than the module's, or other options.
+inline std::string conv_call_problem(op_kind kind, const layer_state& l, c10::ArrayRef<const c10::IValue> args) {
+    const bool module_one_d = l.description.kind == layer_kind::conv1d;
+    if (module_one_d != (kind == op_kind::conv1d))
+        return "torch adapter: " + l.who() + ": its weight was used by aten::" +
+               (kind == op_kind::conv1d ? "conv1d" : "conv2d") + ", another kind of convolution than the module's; "
+               "call the module itself or leave the layer out with options.skip_layers";
+    return conv_call_mismatch(l, args);
+}
+
+/// What a recognised call's arguments say beyond its input and weight, by its family
+/// (capture.hpp, op_family): a convolution's options checked against the module's, how a
+/// normalisation normalised its input. A linear or embedding call's input and weight say it all.
+inline void read_call(op_kind kind, c10::ArrayRef<const c10::IValue> args, const layer_state& l, observed_call& call) {
+    switch (family_of(kind)) {
+        case op_family::conv: call.problem = conv_call_problem(kind, l, args); return;
+        case op_family::norm: call.norm = read_norm_call(kind, args, l, call.problem); return;
+        default: return;
+    }
 }
 
 }  // namespace detail
