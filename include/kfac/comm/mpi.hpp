@@ -38,18 +38,17 @@ inline void check_mpi(int code, const char* call) {
 /// waits for the others leaves its core to a rank that computes when there are more ranks than
 /// cores (a laptop, a CI runner; MPICH's own wait polls without yielding). With a core each, a
 /// yield returns at once and this is the busy wait MPI_Waitall would do.
-inline void wait_all(std::vector<MPI_Request>& requests, const char* call) {
-    if (requests.empty()) return;
-    for (int done = 0;;) {
-        check_mpi(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), call);
-        if (done) return;
-        std::this_thread::yield();
+inline void wait_all(int count, MPI_Request* requests, const char* call) {
+    int done = count == 0;
+    while (!done) {
+        check_mpi(MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE), call);
+        if (!done) std::this_thread::yield();
     }
 }
-inline void wait_one(MPI_Request request, const char* call) {
-    std::vector<MPI_Request> one{request};
-    wait_all(one, call);
+inline void wait_all(std::vector<MPI_Request>& requests, const char* call) {
+    wait_all(static_cast<int>(requests.size()), requests.data(), call);
 }
+inline void wait_one(MPI_Request& request, const char* call) { wait_all(1, &request, call); }
 
 template <class T>
 MPI_Datatype datatype() {
