@@ -46,6 +46,18 @@ struct staged_state {
     std::vector<std::optional<typename Method::layer_data>> second;
 };
 
+/// The options among the configuration's items (engine::configuration()) as a checkpoint
+/// records them, in the configuration's order: the name without "options.", the value in exact
+/// decimal or "schedule" for a scheduled one. save() writes them; load() compares with them.
+inline std::vector<std::pair<std::string, std::string>> saved_option_values(const std::vector<config_item>& items) {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const auto& item : items) {
+        if (item.key.rfind("options.", 0) != 0) continue;
+        out.emplace_back(item.key.substr(8), item.value == "a schedule" ? "schedule" : item.value);
+    }
+    return out;
+}
+
 template <class Engine>
 struct checkpoint_io {
     using P = Engine;
@@ -182,13 +194,10 @@ struct checkpoint_io {
     /// decides which tensors the data has).
     static void check_options(const P& p, const checkpoint::state_dict& h, const std::string& where,
                               const checkpoint::load_options& o, bool use_file_second) {
-        for (const auto& item : p.configuration()) {
-            if (item.key.rfind("options.", 0) != 0) continue;
-            const std::string option = item.key.substr(8);
+        for (const auto& [option, mine] : saved_option_values(p.configuration())) {
             const bool structural = option == "compute_eigenvalue_outer_product" && use_file_second;
             if (!checkpoint::shapes_the_numbers(option) || (o.allow_changed_options && !structural)) continue;
             const auto it = h.options.find(option);
-            const std::string mine = item.value == "a schedule" ? "schedule" : item.value;
             const std::string older = checkpoint::value_before_option_existed(option);
             if (it == h.options.end() && !older.empty()) {
                 if (same_option_value(older, mine)) continue;

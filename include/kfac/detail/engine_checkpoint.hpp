@@ -177,10 +177,7 @@ std::optional<checkpoint::state_dict> engine<Backend, CommPolicy, ComputeMethod>
     state.strategy = plan_.name;
     state.health = health_;
     for (const auto& l : layers_) state.layers[l.host.name] = layer_signature(l.host.name, l.host.description);
-    for (const auto& item : configuration()) {
-        if (item.key.rfind("options.", 0) != 0) continue;
-        state.options[item.key.substr(8)] = item.value == "a schedule" ? "schedule" : item.value;
-    }
+    for (auto& [name, value] : saved_option_values(configuration())) state.options[name] = std::move(value);
     return state;
 }
 

@@ -113,22 +113,23 @@ struct module_entry<::torch::nn::LinearImpl> {
     }
 };
 
+/// A convolution of D spatial dimensions: its geometry from the module's options (describe_conv).
+template <std::size_t D, class ConvImpl>
+module_parts conv_parts(ConvImpl& m, const char* type) {
+    return {type, D == 1 ? layer_kind::conv1d : layer_kind::conv2d, &m.weight, &m.bias,
+            [&m](const std::string& layer) { return describe_conv<D>(layer, m); }, {}};
+}
+
 template <>
 struct module_entry<::torch::nn::Conv2dImpl> {
     static constexpr const char* name = "Conv2d";
-    static module_parts parts(::torch::nn::Conv2dImpl& m) {
-        return {name, layer_kind::conv2d, &m.weight, &m.bias,
-                [&m](const std::string& layer) { return describe_conv<2>(layer, m); }, {}};
-    }
+    static module_parts parts(::torch::nn::Conv2dImpl& m) { return conv_parts<2>(m, name); }
 };
 
 template <>
 struct module_entry<::torch::nn::Conv1dImpl> {
     static constexpr const char* name = "Conv1d";
-    static module_parts parts(::torch::nn::Conv1dImpl& m) {
-        return {name, layer_kind::conv1d, &m.weight, &m.bias,
-                [&m](const std::string& layer) { return describe_conv<1>(layer, m); }, {}};
-    }
+    static module_parts parts(::torch::nn::Conv1dImpl& m) { return conv_parts<1>(m, name); }
 };
 
 template <>
