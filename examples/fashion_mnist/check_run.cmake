@@ -37,7 +37,12 @@ function(to_units out text)
     message(FATAL_ERROR "'${text}' is not a number with 4 decimals in [0, 1]")
   endif()
   set(whole ${CMAKE_MATCH_1})
-  string(REGEX REPLACE "^0+([0-9])" "\\1" fraction "${CMAKE_MATCH_2}")
+  # Leading zeros stripped in one match: CMake's REGEX REPLACE re-applies a "^" pattern to what
+  # is left, so "^0+([0-9])" made 0200 into 20, and a 2-point tolerance into 0.2 points.
+  string(REGEX REPLACE "^0+" "" fraction "${CMAKE_MATCH_2}")
+  if(fraction STREQUAL "")
+    set(fraction 0)
+  endif()
   math(EXPR value "${whole} * 10000 + ${fraction}")
   set(${out} ${value} PARENT_SCOPE)
 endfunction()

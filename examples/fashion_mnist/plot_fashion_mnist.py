@@ -11,8 +11,9 @@ Exit status: 0 done, 2 bad input, 3 matplotlib is not installed.
 import csv
 import sys
 
-LABELS = {"sgd": "SGD+momentum", "kfac": "SGD+momentum+K-FAC"}
-COLORS = {"sgd": "tab:blue", "kfac": "tab:orange"}
+LABELS = {"sgd": "SGD+momentum", "kfac": "SGD+momentum+K-FAC",
+          "kfac_reference": "SGD+momentum+K-FAC, kfac-pytorch's modes"}
+COLORS = {"sgd": "tab:blue", "kfac": "tab:orange", "kfac_reference": "tab:gray"}
 REUSE = "kfac_reuse_"  # K-FAC with --eigenbasis-reuse TAU: kfac_reuse_TAU
 REUSE_COLORS = ["tab:green", "tab:red", "tab:purple", "tab:brown"]
 

@@ -4,13 +4,14 @@
 optimizer on the tuning seeds, then the winners on other seeds.
 
   study.py grid  BINARY OUT_DIR --model cnn --epochs 5 --seeds 1,2 [--threads N]
-      runs every grid point (SGD: lr; K-FAC: lr x damping) for each seed, one CSV each in
+      runs every grid point (SGD: lr; K-FAC: lr x damping; kfaccurv: K-FAC with the curvature
+      modes, lr x relative damping; --optimizers sgd,kfac,kfaccurv) for each seed, one CSV each in
       OUT_DIR; points already there are skipped, so an interrupted grid continues.
   study.py best  OUT_DIR
       the mean final test accuracy of every grid point, best first, per model and optimizer.
-  study.py runs  BINARY OUT_DIR --model cnn --epochs 5 --seeds 3,4,5 [--threads N]
-      both optimizers with the program's defaults (the grids' winners) on each seed.
-  study.py table OUT_DIR [OUT_DIR ...]
+  study.py runs  BINARY OUT_DIR --model cnn --epochs 5 --seeds 3,4,5 [--threads N] [--optimizers sgd,kfac]
+      the optimizers with the program's defaults (the grids' winners) on each seed.
+  study.py table OUT_DIR[=LABEL] [OUT_DIR[=LABEL] ...]
       the README's table: per model, optimizer and seed, the first epoch and training seconds
       at 88 % and 90 % test accuracy and the final accuracy, with the means.
 """
@@ -29,10 +30,30 @@ GRID = {
     # clipped step's size is about sqrt(kl_clip / damping), whatever the learning rate.
     "kfac": [{"kfac-lr": lr, "damping": d} for lr in (0.05, 0.1, 0.2) for d in (0.1, 0.3, 1.0)],
 }
+# K-FAC with the curvature modes (README.md, "Curvature modes"): per-example statistics and
+# bias-corrected averaging, so that the factors hold the curvature and nothing else, and the
+# KL clip's trust region annealed with the learning rate (a clipped step's size is
+# √(κ / Σ P·Γ) whatever the learning rate). Damping × kl_clip, as a clipped run's step is set by
+# κ; the learning rate (0.05) matters only where the clip does not bind.
+CURVATURE_MODES = {"statistics": "per_example", "averaging": "bias_corrected", "kl-clip-schedule": "cosine"}
+GRID["kfaccurv"] = [dict(CURVATURE_MODES, **{"damping": d, "kl-clip": k})
+                    for d in (0.003, 0.01, 0.03) for k in (3e-05, 0.0001, 0.0003)]
+# SGD with as many points as that: learning rate × momentum.
+GRID["sgdwide"] = [{"lr": lr, "momentum": m} for lr in (0.03, 0.05, 0.1, 0.2, 0.3) for m in (0.9, 0.95)]
+# The ResNet's runs take 4× as long: 6 points each, around the CNN's winners.
+RESNET_GRID = {
+    "kfaccurv": [dict(CURVATURE_MODES, **{"damping": d, "kl-clip": k}) for d in (0.003, 0.01, 0.03)
+                 for k in (3e-05, 0.0001)],
+    "sgdwide": [{"lr": lr, "momentum": m} for lr in (0.05, 0.1, 0.2) for m in (0.9, 0.95)],
+}
+
+
+def grid_points(optimizer, model):
+    return RESNET_GRID[optimizer] if model == "resnet" and optimizer in RESNET_GRID else GRID[optimizer]
 
 
 def point_name(model, optimizer, params, seed):
-    text = "_".join(f"{k}{v}" for k, v in params.items())
+    text = "_".join(f"{k}{v}" for k, v in params.items() if k not in CURVATURE_MODES)
     return f"{model}_{optimizer}_{text}_seed{seed}" if text else f"{model}_{optimizer}_seed{seed}"
 
 
@@ -41,10 +62,11 @@ def run_point(binary, out_dir, model, optimizer, params, seed, threads, epochs):
     path = os.path.join(out_dir, name + ".csv")
     if os.path.exists(path):
         return path
-    cmd = [binary, "--model", model, "--optimizer", optimizer, "--seed", str(seed), "--threads", str(threads),
-           "--epochs", str(epochs), "--csv", path + ".part", "--no-plot"]
+    cmd = [binary, "--model", model, "--optimizer", "kfac" if optimizer.startswith("kfac") else "sgd",
+           "--seed", str(seed), "--threads", str(threads), "--epochs", str(epochs), "--csv", path + ".part",
+           "--curvature-csv", os.path.join(out_dir, name + "_curvature.csv"), "--no-plot"]
     for key, value in params.items():
-        cmd += [f"--{key}", str(value)]
+        cmd += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     print("+", " ".join(cmd), flush=True)
     result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with open(os.path.join(out_dir, name + ".log"), "w") as log:
@@ -71,33 +93,44 @@ def read_rows(path):
 def cmd_grid(args):
     os.makedirs(args.out, exist_ok=True)
     for optimizer in args.optimizers.split(","):
-        for params in GRID[optimizer]:
+        for params in grid_points(optimizer, args.model):
             for seed in args.seeds.split(","):
                 run_point(args.binary, args.out, args.model, optimizer, params, seed, args.threads, args.epochs)
 
 
 def cmd_best(args):
+    """Best first: the fewest epochs to 90 % test accuracy on average (a seed that never gets
+    there counts as one epoch past the run), then the highest final accuracy."""
     scores = defaultdict(list)
     for path in sorted(glob.glob(os.path.join(args.out, "*.csv"))):
+        if path.endswith("_curvature.csv"):
+            continue
         name = os.path.basename(path)[:-4]
         point = name.rsplit("_seed", 1)[0]
         rows = read_rows(path)
-        scores[point].append(float(rows[-1]["test_accuracy"]))
+        hit = first_reaching(rows, 0.90)
+        last = int(rows[-1]["epoch"])  # -1: diverged (run_point's marker)
+        scores[point].append((hit[0] if hit else last + 1 if last >= 0 else float("inf"),
+                              float(rows[-1]["test_accuracy"])))
     by_group = defaultdict(list)
-    for point, accs in scores.items():
+    for point, runs in scores.items():
         model, optimizer = point.split("_")[:2]
-        by_group[(model, optimizer)].append((sum(accs) / len(accs), point, accs))
+        epochs = sum(r[0] for r in runs) / len(runs)
+        final = sum(r[1] for r in runs) / len(runs)
+        by_group[(model, optimizer)].append((epochs, -final, point, runs))
     for group, entries in sorted(by_group.items()):
         print(f"{group[0]} {group[1]}:")
-        for mean, point, accs in sorted(entries, reverse=True):
-            print(f"  {100 * mean:6.2f}%  {point}  ({', '.join(f'{100 * a:.2f}' for a in accs)})")
+        for epochs, final, point, runs in sorted(entries):
+            print(f"  90 % at epoch {epochs:.1f}, final {-100 * final:6.2f}%  {point}  "
+                  f"({', '.join(f'{r[0]}/{100 * r[1]:.2f}' for r in runs)})")
 
 
 def cmd_runs(args):
     os.makedirs(args.out, exist_ok=True)
+    params = {"reference": True} if args.reference else {}
     for seed in args.seeds.split(","):
-        for optimizer in ("sgd", "kfac"):
-            run_point(args.binary, args.out, args.model, optimizer, {}, seed, args.threads, args.epochs)
+        for optimizer in args.optimizers.split(","):
+            run_point(args.binary, args.out, args.model, optimizer, params, seed, args.threads, args.epochs)
 
 
 def first_reaching(rows, target):
@@ -109,11 +142,15 @@ def first_reaching(rows, target):
 
 def cmd_table(args):
     runs = defaultdict(dict)  # (model, optimizer) -> seed -> rows
-    for out in args.out:
+    for out in args.out:  # DIR or DIR=LABEL: the label names the optimizer of DIR's K-FAC runs
+        out, _, label = out.partition("=")
         for path in sorted(glob.glob(os.path.join(out, "*.csv"))):
+            if path.endswith("_curvature.csv"):
+                continue
             rows = read_rows(path)
             if rows:
-                runs[(rows[0]["model"], rows[0]["optimizer"])][rows[0]["seed"]] = rows
+                optimizer = label if label and rows[0]["optimizer"] != "sgd" else rows[0]["optimizer"]
+                runs[(rows[0]["model"], optimizer)][rows[0]["seed"]] = rows
     print("| model | optimizer | seed | 88 %: epoch / s | 90 %: epoch / s | final accuracy | training s |")
     print("|---|---|---|---|---|---|---|")
     for (model, optimizer), seeds in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1] != "sgd")):
@@ -152,8 +189,10 @@ def main(argv):
         p.add_argument("--seeds", default="1,2" if name == "grid" else "3,4,5")
         p.add_argument("--threads", type=int, default=0)
         p.add_argument("--epochs", type=int, required=True)
-        if name == "grid":
-            p.add_argument("--optimizers", default="sgd,kfac")
+        p.add_argument("--optimizers", default="sgd,kfac")
+        if name == "runs":
+            p.add_argument("--reference", action="store_true",
+                           help="the program's --reference defaults (kfac-pytorch's K-FAC): runs named kfac_reference")
     sub.add_parser("best").add_argument("out")
     sub.add_parser("table").add_argument("out", nargs="+")
     args = parser.parse_args(argv[1:])

@@ -77,6 +77,43 @@ enum class distribution {
     dp_kfac,
 };
 
+/// How a pass's batch statistics are scaled (README, "Curvature modes").
+enum class statistic_scale {
+    /// kfac-pytorch's: A and G are means over the statistic's rows of the activations' and of
+    /// the output gradients' outer products, a convolution's patches and output gradients
+    /// each divided by its S positions first (A and G carry 1/(N·S³)). The default.
+    reference,
+    /// Factors of the Fisher of the per-example loss, for a host loss that is the mean over
+    /// the N examples of the batch (each view's dimension 0): Martens & Grosse 2015 for dense
+    /// layers (A = E[a aᵀ], G = E[Ds Dsᵀ], Ds = N·g the example's own loss gradient), Grosse &
+    /// Martens 2016 (KFC) for layers shared over S positions (A summed over an example's
+    /// positions, G averaged over them): A = (1/N) Σ_n Σ_s a aᵀ, G = (1/(N·S)) Σ_n Σ_s Ds Dsᵀ.
+    /// Independent of the batch size and of S³. kfac/detail/statistic_scale.hpp.
+    per_example,
+};
+
+/// How the running factors average the statistics of the factor updates.
+enum class factor_averaging {
+    /// kfac-pytorch's: F ← ξF + (1 − ξ)F̂ from F = I, so the identity keeps the weight
+    /// Π ξ of the decays applied so far. The default.
+    reference,
+    /// kfac-jax's weighted moving average: F = R/W with R ← ξR + (1 − ξ)F̂ and W ← ξW + (1 − ξ)
+    /// from R = 0, W = 0. No identity residue: the first update makes F = F̂, and every later F
+    /// is an average of statistics whose weights sum to 1.
+    bias_corrected,
+};
+
+/// How the damping γ enters the preconditioner.
+enum class damping_form {
+    /// kfac-pytorch's: eigen method 1/(λ_A λ_G + γ); inverse method (A + γI)⁻¹ ⊗ (G + γI)⁻¹.
+    /// The default.
+    reference,
+    /// Factored Tikhonov damping (Martens & Grosse 2015, §6.3), both methods: A + π√γ·I and
+    /// G + (√γ/π)·I with π = √((tr A / dim A) / (tr G / dim G)), so that the damped product
+    /// is (λ_A + π√γ)(λ_G + √γ/π). A block with one estimated factor (unit-wise) takes γ whole.
+    factored,
+};
+
 /// What the preconditioner reports when it meets NaN or ±Inf (see preconditioner::health).
 enum class non_finite_source { factor_statistics, decomposition, gradient };
 
@@ -126,6 +163,21 @@ struct options {
     std::vector<std::string> reduce_layers{};
     /// Patch extraction for dilated convolutions.
     conv_patch_mode conv_patches = conv_patch_mode::reference;
+
+    // Curvature modes (README, "Curvature modes"): each opt-in; the defaults are kfac-pytorch's.
+    /// The scale of the batch statistics: the reference's, or the per-example Fisher's.
+    statistic_scale statistics = statistic_scale::reference;
+    /// The running average: the reference's (from the identity) or bias-corrected.
+    factor_averaging averaging = factor_averaging::reference;
+    /// How γ is applied: the reference's or factored (π) Tikhonov damping.
+    damping_form damping_mode = damping_form::reference;
+    /// γ relative to each layer's curvature: the damping applied is γ·m_A·m_G, m the mean
+    /// eigenvalue (trace / dimension) of each running factor at the inverse update (m_G = 1 for
+    /// a unit-wise block), so that one γ is the same fraction of every layer's mean curvature
+    /// in every model. A layer whose m_A·m_G is not positive takes γ itself. With the eigen
+    /// method, relative or factored damping needs compute_eigenvalue_outer_product (the
+    /// per-layer damping is fixed at the inverse update).
+    bool relative_damping = false;
     /// Threads for layer-level task parallelism; 0: KFAC_NUM_THREADS, OPENBLAS_NUM_THREADS or
     /// OMP_NUM_THREADS from the environment, else all cores (1 per rank with several ranks).
     int threads = 0;
@@ -161,6 +213,15 @@ inline std::string option_text(const char* name, const std::string& value, std::
     if (!step) return s + " = " + value;
     return s + " evaluated to " + value + " at step " + std::to_string(*step);
 }
+
+/// The names of the curvature modes' values, as configurations and checkpoints record them.
+inline const char* option_value_name(statistic_scale s) {
+    return s == statistic_scale::per_example ? "per_example" : "reference";
+}
+inline const char* option_value_name(factor_averaging a) {
+    return a == factor_averaging::bias_corrected ? "bias_corrected" : "reference";
+}
+inline const char* option_value_name(damping_form f) { return f == damping_form::factored ? "factored" : "reference"; }
 
 inline void require(bool ok, const std::string& message) {
     if (!ok) throw error(message);
@@ -247,6 +308,16 @@ inline void validate(const options& o) {
     require(o.conv_patches == conv_patch_mode::reference || o.conv_patches == conv_patch_mode::dilated,
             "options.conv_patches = " + std::to_string(static_cast<long long>(o.conv_patches)) +
                 " is not a kfac::conv_patch_mode value: use conv_patch_mode::reference or conv_patch_mode::dilated");
+    require(o.statistics == statistic_scale::reference || o.statistics == statistic_scale::per_example,
+            "options.statistics = " + std::to_string(static_cast<long long>(o.statistics)) +
+                " is not a kfac::statistic_scale value: use statistic_scale::reference or statistic_scale::per_example");
+    require(o.averaging == factor_averaging::reference || o.averaging == factor_averaging::bias_corrected,
+            "options.averaging = " + std::to_string(static_cast<long long>(o.averaging)) +
+                " is not a kfac::factor_averaging value: use factor_averaging::reference or "
+                "factor_averaging::bias_corrected");
+    require(o.damping_mode == damping_form::reference || o.damping_mode == damping_form::factored,
+            "options.damping_mode = " + std::to_string(static_cast<long long>(o.damping_mode)) +
+                " is not a kfac::damping_form value: use damping_form::reference or damping_form::factored");
     // A cap beyond 2⁴⁰ MiB would overflow the byte count; no real bucket comes near it.
     require(std::isfinite(o.allreduce_bucket_cap_mb) && o.allreduce_bucket_cap_mb >= 0.0 &&
                 o.allreduce_bucket_cap_mb <= 1099511627776.0,

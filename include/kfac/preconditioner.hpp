@@ -22,6 +22,7 @@
 #include "kfac/assignment/strategies.hpp"
 #include "kfac/checkpoint/format.hpp"
 #include "kfac/config.hpp"
+#include "kfac/curvature_report.hpp"
 #include "kfac/detail/engine.hpp"
 #include "kfac/detail/engine_registration.hpp"  // layers in
 #include "kfac/detail/engine_setup.hpp"         // options, configuration, placement, reports
@@ -30,6 +31,7 @@
 #include "kfac/detail/engine_second_order.hpp"  // decompositions or inverses, shared
 #include "kfac/detail/engine_precondition.hpp"  // precondition, kl_clip, write-back, commit
 #include "kfac/detail/engine_checkpoint.hpp"    // save and load
+#include "kfac/detail/engine_curvature.hpp"     // the curvature report
 #include "kfac/fwd.hpp"
 #include "kfac/health.hpp"
 #include "kfac/layer_info.hpp"
@@ -194,6 +196,12 @@ public:
     /// placement in force, or the one the first step will use. Not collective.
     /// @throws kfac::error when the options do not fit the world size (as step() would).
     [[nodiscard]] std::vector<layer_info> layers() const { return engine_.layers(); }
+    /// How much of each layer's preconditioner is curvature (kfac/curvature_report.hpp): the
+    /// identity start's weight left in the running factors, their eigenvalues, the damping an
+    /// inverse update at this step would use and the resulting curvature share. Decomposes the
+    /// factors this rank keeps (a diagnostic: call it once an epoch, not every step). Not
+    /// collective.
+    [[nodiscard]] std::vector<layer_curvature> curvature() const { return engine_.curvature(); }
     /// Bytes this rank holds for K-FAC, by kind (kfac::memory_report). Not collective.
     [[nodiscard]] memory_report memory_usage() const { return engine_.memory_usage(); }
     /// Name of the distribution in force: comm_opt, hybrid_opt, mem_opt or dp_kfac.

@@ -153,6 +153,10 @@ TEST_CASE("eigenvalue products, clamping and identities match the CPU backend", 
     cpu::clamp_nonnegative(a);
     kernels::clamp_nonnegative(thrust::cpp::par, a_dev.data(), m);
     CHECK(a_dev == a);
+    // Factored damping's shift of the eigenvalues: the same one rounding per entry.
+    cpu::add_constant(a, T(0.125));
+    kernels::add_constant(thrust::cpp::par, a_dev.data(), m, T(0.125));
+    CHECK(a_dev == a);
     cpu::clamp_nonnegative(g);
     cpu::matrix d_cpu, d(m, n);
     cpu::inverse_eigen_product(a, g, T(0.003), d_cpu);

@@ -67,10 +67,12 @@ void check_identity_start(const kfac::layer_description& d, double expected_scal
     const double damping = 0.25;
     kfac::options o;
     typename impl::layer_data computed{}, identity{}, full{};
-    REQUIRE(block.compute(kfac::detail::factor_side::a, state.a_factor, damping, o, {}, computed.a));
-    REQUIRE(block.compute(kfac::detail::factor_side::g, state.g_factor, damping, o, {}, computed.g));
-    block.finalize(computed, damping, o);
-    block.identity_data(identity, d, damping, o);
+    // Where the reference damping goes: the product (eigen method) or each factor (inverse).
+    const kfac::detail::damping_terms t = block.damping_of(state, damping, o);
+    REQUIRE(block.compute(kfac::detail::factor_side::a, state.a_factor, t.a, o, {}, computed.a));
+    REQUIRE(block.compute(kfac::detail::factor_side::g, state.g_factor, t.g, o, {}, computed.g));
+    block.finalize(computed, t.product, o);
+    block.identity_data(identity, d, t, o);
     // The full data's sizes (what a checkpoint expects) are those of the data computed.
     block.prepare_full(full, d, o);
     std::vector<std::pair<long, long>> expected_shapes, computed_shapes;

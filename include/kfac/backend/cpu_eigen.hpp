@@ -41,6 +41,7 @@
 ///   static vector ones(index n);
 ///   static matrix scaled_identity(index n, scalar_type diagonal);
 ///   static void clamp_nonnegative(vector& v);                      // v ← max(v, 0)
+///   static void add_constant(vector& v, scalar_type s);            // v ← v + s
 ///   // D(i, j) = 1 / (a_i·g_j + damping), and V(i, j) /= (a_i·g_j + damping)
 ///   static void inverse_eigen_product(const vector& a, const vector& g, scalar_type damping, matrix& D);
 ///   static void divide_by_eigen_product(matrix& V, const vector& a, const vector& g, scalar_type damping);
@@ -149,6 +150,7 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
     static matrix from_host(host_matrix h) { return h; }
 
     static void clamp_nonnegative(vector& v) { v = v.cwiseMax(Scalar(0)); }
+    static void add_constant(vector& v, Scalar s) { v.array() += s; }
     static void inverse_eigen_product(const vector& a, const vector& g, Scalar damping, matrix& d) {
         d = ((a * g.transpose()).array() + damping).inverse().matrix();
     }

@@ -360,6 +360,9 @@ struct cuda {
     static void clamp_nonnegative(vector& v) {
         launch("clamp_nonnegative", [&] { kernels::clamp_nonnegative(policy(), v.data(), v.size()); });
     }
+    static void add_constant(vector& v, Scalar s) {
+        launch("add_constant", [&] { kernels::add_constant(policy(), v.data(), v.size(), s); });
+    }
     static void inverse_eigen_product(const vector& a, const vector& g, Scalar damping, matrix& d) {
         d.resize(a.size(), g.size());
         launch("inverse_eigen_product", [&] {

@@ -21,12 +21,16 @@
 /// listed once in kfac/blocks/kinds.hpp.
 
 #include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
+#include "kfac/blocks/method_of.hpp"
 #include "kfac/detail/compute_impl.hpp"
+#include "kfac/detail/damping_terms.hpp"
 #include "kfac/detail/layer_checks.hpp"
 #include "kfac/detail/layer_record.hpp"
+#include "kfac/detail/statistic_scale.hpp"
 #include "kfac/detail/task_parallel.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/tensor_view.hpp"
@@ -66,7 +70,37 @@ struct statistic_pass {
     std::int64_t folded_before = 0;  ///< applications folded in by earlier passes of the step
     double activation_elements = 0.0, gradient_elements = 0.0;
     conv_patch_mode patches = conv_patch_mode::reference;
+    /// Each application's scales (options.statistics); empty: the reference statistics.
+    std::vector<detail::statistic_scales> scales{};
 };
+
+/// Folds one application into a statistic `sum` multiplied by c: sum ← sum + c·X, from
+/// add(β), which computes sum ← β·sum + X (β = 0 for the step's first application, which
+/// overwrites), and scale(f), which computes sum ← f·sum. With c = 1, add(β) alone, as the
+/// reference statistics are folded.
+template <class Scalar, class Add, class Scale>
+void fold_scaled(double c, Scalar beta, Add&& add, Scale&& scale) {
+    if (c == 1.0) {
+        add(beta);
+        return;
+    }
+    if (beta != Scalar(0)) scale(static_cast<Scalar>(1.0 / c));
+    add(beta);
+    scale(static_cast<Scalar>(c));
+}
+
+/// The eigenvalues of a dense symmetric factor, on the host ({NaN} when the decomposition fails).
+template <class Backend>
+[[nodiscard]] std::vector<double> host_eigenvalues(const typename Backend::matrix& F) {
+    typename Backend::matrix q;
+    typename Backend::vector lambda;
+    if (!Backend::symmetric_eigen(F, q, lambda)) return {std::numeric_limits<double>::quiet_NaN()};
+    const typename Backend::matrix column = lambda;
+    const auto& h = Backend::to_host(column);
+    std::vector<double> out(static_cast<std::size_t>(h.rows()));
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<double>(h(static_cast<std::int64_t>(i), 0));
+    return out;
+}
 
 /// The operations of a block kind on `Backend` under the compute method `Method`
 /// (a detail::compute_impl). One constant instance per kind serves every record of the kind.
@@ -113,18 +147,37 @@ public:
     virtual void average(state& s, statistics& step, scalar decay, scalar weight) const = 0;
 
     // ---- second-order data ----
+    /// The mean eigenvalues (trace / dimension) of the running factors (m_A, m_G); m_G = 1
+    /// for a G that is not estimated.
+    [[nodiscard]] virtual std::pair<double, double> mean_eigenvalues(const state& s) const = 0;
+    /// The eigenvalues of the running factors (A's, G's) on the host, for the curvature
+    /// report (kfac/curvature_report.hpp); {NaN} for a factor whose decomposition failed.
+    [[nodiscard]] virtual std::pair<std::vector<double>, std::vector<double>> spectra(const state& s) const = 0;
+    /// Whether G is estimated (and damped): false for a unit-wise block.
+    [[nodiscard]] virtual bool estimates_g() const { return true; }
+    /// Where the damping γ of an inverse update goes for this layer (kfac/detail/damping_terms.hpp).
+    [[nodiscard]] detail::damping_terms damping_of(const state& s, double gamma, const options& o) const {
+        std::pair<double, double> means{1.0, 1.0};
+        if (detail::damping_reads_factors(o)) means = mean_eigenvalues(s);
+        return detail::damping_terms_of(o, under_eigendecomposition<Method>, estimates_g(), gamma, means.first,
+                                        means.second);
+    }
     /// The relative cost of one side's second-order computation (the task scheduler's weight).
     [[nodiscard]] virtual double second_order_cost(const layer_description& d, factor_side side) const = 0;
     /// One side's second-order data from its running factor F; false keeps the old data.
-    /// `previous`: this rank's data of the factor so far (empty before its first computation).
+    /// `damping`: the side's term (damping_terms::of): added to F's eigenvalues, or to its
+    /// diagonal before the inverse. `previous`: this rank's data of the factor so far (empty
+    /// before its first computation).
     virtual bool compute(factor_side side, const matrix& F, double damping, const options& o,
                          const factor_data& previous, factor_data& out) const = 0;
     /// Whether a side's data counts in eigenbasis_counts() (a dense factor's eigenvectors).
     [[nodiscard]] virtual bool counts_basis(factor_side side) const = 0;
-    /// Per-layer extras once both sides are current (the eigenvalue outer product, say).
+    /// Per-layer extras once both sides are current (the eigenvalue outer product, say), with
+    /// the damping added to the product (damping_terms::product).
     virtual void finalize(layer_data& l, double damping, const options& o) const = 0;
     /// The data of identity factors, for a rank whose first computation failed.
-    virtual void identity_data(layer_data& l, const layer_description& d, double damping, const options& o) const = 0;
+    virtual void identity_data(layer_data& l, const layer_description& d, const detail::damping_terms& t,
+                               const options& o) const = 0;
     /// Sizes a receiver's data so that the method's payloads can be received in place.
     virtual void prepare_receive(layer_data& l, const layer_description& d, const options& o) const = 0;
     /// Sizes the full data, as the rank that computed both sides holds it (checkpoints).

@@ -74,6 +74,14 @@ public:
         s.g_factor = Backend::identity(d.g_dim());
     }
 
+    /// A's eigenvalues are its diagonal.
+    std::pair<std::vector<double>, std::vector<double>> spectra(const state& s) const override {
+        const auto& h = Backend::to_host(s.a_factor);
+        std::vector<double> a(static_cast<std::size_t>(h.rows()));
+        for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<double>(h(static_cast<std::int64_t>(i), 0));
+        return {std::move(a), host_eigenvalues<Backend>(s.g_factor)};
+    }
+
     double second_order_cost(const layer_description& d, factor_side side) const override {
         return side == factor_side::a ? static_cast<double>(d.a_dim()) : base::second_order_cost(d, side);
     }
@@ -86,6 +94,7 @@ public:
             factor_data next;  // Q = I, never formed; λ the diagonal
             Backend::diagonal_values(F, next.lambda);
             Backend::clamp_nonnegative(next.lambda);
+            if (damping != 0.0) Backend::add_constant(next.lambda, static_cast<scalar>(damping));
             out = std::move(next);
             return true;
         } else {
@@ -97,20 +106,23 @@ public:
         }
     }
     bool counts_basis(factor_side side) const override { return side == factor_side::g; }
-    void identity_data(layer_data& l, const layer_description& d, double damping, const options& o) const override {
+    void identity_data(layer_data& l, const layer_description& d, const detail::damping_terms& t,
+                       const options& o) const override {
         if constexpr (eigen) {
             l.a.q = matrix{};
             l.a.lambda = Backend::ones(d.a_dim());
             l.g.q = Backend::identity(d.g_dim());
             l.g.lambda = Backend::ones(d.g_dim());
-            this->finalize(l, damping, o);
+            if (t.a != 0.0) Backend::add_constant(l.a.lambda, static_cast<scalar>(t.a));
+            if (t.g != 0.0) Backend::add_constant(l.g.lambda, static_cast<scalar>(t.g));
+            this->finalize(l, t.product, o);
         } else {
             l.a.diagonal = true;
             if constexpr (supported) {
                 const matrix ones = Backend::ones(d.a_dim());
-                Backend::damped_reciprocal(ones, static_cast<scalar>(damping), l.a.inverse);
+                Backend::damped_reciprocal(ones, static_cast<scalar>(t.a), l.a.inverse);
             }
-            l.g.inverse = Backend::scaled_identity(d.g_dim(), Method::damped_identity_value(damping));
+            l.g.inverse = Backend::scaled_identity(d.g_dim(), Method::damped_identity_value(t.g));
         }
     }
     void prepare_receive(layer_data& l, const layer_description& d, const options& o) const override {

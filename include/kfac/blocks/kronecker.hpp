@@ -11,6 +11,7 @@
 /// outer product D = 1/(λ_A λ_Gᵀ + γ) when precomputed; Pᵀ = Q_A ((Q_Aᵀ Γᵀ Q_G) ⊘ (λ_A λ_Gᵀ + γ))
 /// Q_Gᵀ. Inverse: (A + γI)⁻¹ and (G + γI)⁻¹; Pᵀ = A⁻ Γᵀ G⁻.
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -73,16 +74,27 @@ public:
         const double n_g = static_cast<double>(l.host.description.g_dim());
         const std::int64_t folded = pass.folded_before;
         std::vector<detail::task> tasks;
-        tasks.push_back({pass.activation_elements * n_a,
-                         [&l, a = std::move(pass.activations), block, folded, patches = pass.patches] {
+        tasks.push_back({pass.activation_elements * n_a, [&l, a = std::move(pass.activations), block, folded,
+                                                          patches = pass.patches, scales = pass.scales] {
                              for (std::size_t i = 0; i < a.size(); ++i)
-                                 Backend::accumulate_a_statistic(l.statistics.a_sum, block, a[i], patches,
-                                                                 statistic_beta<scalar>(folded, i), l.scratch.a_ws);
+                                 fold_scaled(
+                                     scales.empty() ? 1.0 : scales[i].a, statistic_beta<scalar>(folded, i),
+                                     [&](scalar beta) {
+                                         Backend::accumulate_a_statistic(l.statistics.a_sum, block, a[i], patches, beta,
+                                                                         l.scratch.a_ws);
+                                     },
+                                     [&](scalar f) { Backend::scale_symmetric(l.statistics.a_sum, f); });
                          }});
-        tasks.push_back({pass.gradient_elements * n_g, [&l, g = std::move(pass.output_gradients), block, folded] {
+        tasks.push_back({pass.gradient_elements * n_g,
+                         [&l, g = std::move(pass.output_gradients), block, folded, scales = std::move(pass.scales)] {
                              for (std::size_t i = 0; i < g.size(); ++i)
-                                 Backend::accumulate_g_statistic(l.statistics.g_sum, block, g[i],
-                                                                 statistic_beta<scalar>(folded, i), l.scratch.g_ws);
+                                 fold_scaled(
+                                     scales.empty() ? 1.0 : scales[i].g, statistic_beta<scalar>(folded, i),
+                                     [&](scalar beta) {
+                                         Backend::accumulate_g_statistic(l.statistics.g_sum, block, g[i], beta,
+                                                                         l.scratch.g_ws);
+                                     },
+                                     [&](scalar f) { Backend::scale_symmetric(l.statistics.g_sum, f); });
                          }});
         return tasks;
     }
@@ -100,33 +112,57 @@ public:
         Backend::running_average(s.g_factor, step.g_sum, decay, weight);
     }
 
+    /// The mean of a stored factor's diagonal (of its entries, for a diagonal factor's column),
+    /// summed in double on the host.
+    static double mean_diagonal(const matrix& F) {
+        const auto& h = Backend::to_host(F);
+        const auto n = h.cols() == 1 ? h.rows() : std::min(h.rows(), h.cols());
+        if (n == 0) return 0.0;
+        double sum = 0.0;
+        for (std::int64_t i = 0; i < n; ++i) sum += static_cast<double>(h.cols() == 1 ? h(i, 0) : h(i, i));
+        return sum / static_cast<double>(n);
+    }
+    std::pair<double, double> mean_eigenvalues(const state& s) const override {
+        return {mean_diagonal(s.a_factor), mean_diagonal(s.g_factor)};
+    }
+    std::pair<std::vector<double>, std::vector<double>> spectra(const state& s) const override {
+        return {host_eigenvalues<Backend>(s.a_factor), host_eigenvalues<Backend>(s.g_factor)};
+    }
+
     double second_order_cost(const layer_description& d, factor_side side) const override {
         const auto n = static_cast<double>(side == factor_side::a ? d.a_dim() : d.g_dim());
         return n * n * n;
     }
+    /// Eigen method: the side's damping term added to the clamped eigenvalues (0 but for
+    /// factored damping); inverse method: (F + damping·I)⁻¹.
     bool compute(factor_side, const matrix& F, double damping, const options& o, const factor_data& previous,
                  factor_data& out) const override {
-        if constexpr (eigen)
-            return Method::decompose(F, o, previous, out);
-        else
+        if constexpr (eigen) {
+            if (!Method::decompose(F, o, previous, out)) return false;
+            if (damping != 0.0) Backend::add_constant(out.lambda, static_cast<scalar>(damping));
+            return true;
+        } else {
             return Method::invert(F, damping, out);
+        }
     }
     bool counts_basis(factor_side) const override { return true; }
     void finalize(layer_data& l, double damping, const options& o) const override {
         if constexpr (eigen) Method::finalize_eigen_product(l, damping, o);
     }
-    void identity_data(layer_data& l, const layer_description& d, double damping, const options& o) const override {
+    void identity_data(layer_data& l, const layer_description& d, const detail::damping_terms& t,
+                       const options& o) const override {
         if constexpr (eigen) {
             l.a.q = Backend::identity(d.a_dim());
             l.a.lambda = Backend::ones(d.a_dim());
             l.g.q = Backend::identity(d.g_dim());
             l.g.lambda = Backend::ones(d.g_dim());
-            finalize(l, damping, o);
+            if (t.a != 0.0) Backend::add_constant(l.a.lambda, static_cast<scalar>(t.a));
+            if (t.g != 0.0) Backend::add_constant(l.g.lambda, static_cast<scalar>(t.g));
+            finalize(l, t.product, o);
         } else {
-            const scalar value = Method::damped_identity_value(damping);
             l.a.diagonal = false;
-            l.a.inverse = Backend::scaled_identity(d.a_dim(), value);
-            l.g.inverse = Backend::scaled_identity(d.g_dim(), value);
+            l.a.inverse = Backend::scaled_identity(d.a_dim(), Method::damped_identity_value(t.a));
+            l.g.inverse = Backend::scaled_identity(d.g_dim(), Method::damped_identity_value(t.g));
         }
     }
     void prepare_receive(layer_data& l, const layer_description& d, const options& o) const override {

@@ -84,11 +84,17 @@ public:
         std::vector<detail::task> tasks;
         if constexpr (supported)
             tasks.push_back(
-                {pass.activation_elements * 3.0, [&l, a = std::move(pass.activations),
-                                                  g = std::move(pass.output_gradients), folded = pass.folded_before] {
+                {pass.activation_elements * 3.0,
+                 [&l, a = std::move(pass.activations), g = std::move(pass.output_gradients),
+                  folded = pass.folded_before, scales = std::move(pass.scales)] {
                      for (std::size_t i = 0; i < a.size(); ++i)
-                         Backend::accumulate_unit_wise_statistic(l.statistics.a_sum, l.host.description, a[i], g[i],
-                                                                 statistic_beta<scalar>(folded, i), l.scratch.a_ws);
+                         fold_scaled(
+                             scales.empty() ? 1.0 : scales[i].a, statistic_beta<scalar>(folded, i),
+                             [&](scalar beta) {
+                                 Backend::accumulate_unit_wise_statistic(l.statistics.a_sum, l.host.description, a[i],
+                                                                         g[i], beta, l.scratch.a_ws);
+                             },
+                             [&](scalar f) { Backend::scale_blocks(l.statistics.a_sum, f); });
                  }});
         return tasks;
     }
@@ -109,6 +115,35 @@ public:
         const block_layout b = unit_wise::layout(d);
         return side == factor_side::a ? static_cast<double>(b.a_rows * b.a_cols) : 1.0;
     }
+    /// The blocks' mean eigenvalue: Σ_c tr F_c / (C·k), from the columns F_γγ (and F_ββ); G's is 1.
+    std::pair<double, double> mean_eigenvalues(const state& s) const override {
+        const auto& h = Backend::to_host(s.a_factor);
+        const std::int64_t channels = h.rows(), k = h.cols() == 1 ? 1 : 2;
+        if (channels == 0) return {0.0, 1.0};
+        double trace = 0.0;
+        for (std::int64_t c = 0; c < channels; ++c)
+            trace += static_cast<double>(h(c, 0)) + (k == 2 ? static_cast<double>(h(c, 2)) : 0.0);
+        return {trace / static_cast<double>(channels * k), 1.0};
+    }
+    bool estimates_g() const override { return false; }
+    /// Each channel's k eigenvalues (a 2 × 2 block's in closed form); G's single 1.
+    std::pair<std::vector<double>, std::vector<double>> spectra(const state& s) const override {
+        const auto& h = Backend::to_host(s.a_factor);
+        std::vector<double> a;
+        for (std::int64_t c = 0; c < h.rows(); ++c) {
+            const double p = static_cast<double>(h(c, 0));
+            if (h.cols() == 1) {
+                a.push_back(p);
+                continue;
+            }
+            const double q = static_cast<double>(h(c, 1)), r = static_cast<double>(h(c, 2));
+            const double centre = 0.5 * (p + r), radius = std::hypot(0.5 * (p - r), q);
+            a.push_back(centre - radius);
+            a.push_back(centre + radius);
+        }
+        return {std::move(a), std::vector<double>{1.0}};
+    }
+
     bool compute(factor_side side, const matrix& F, double damping, const options&, const factor_data&,
                  factor_data& out) const override {
         if constexpr (eigen) {
@@ -149,7 +184,9 @@ public:
                 Backend::unit_wise_damped_inverse(l.a.blocks, static_cast<scalar>(damping), l.inverse_eigen_product);
         }
     }
-    void identity_data(layer_data& l, const layer_description& d, double damping, const options& o) const override {
+    void identity_data(layer_data& l, const layer_description& d, const detail::damping_terms& t,
+                       const options& o) const override {
+        const double damping = eigen ? t.product : t.a;
         if constexpr (eigen) {
             l.a.q = matrix{};
             l.a.lambda = typename Backend::vector{};

@@ -53,7 +53,8 @@ struct save_options {
 /// What load() accepts.
 struct load_options {
     /// By default the options that shape the numbers (damping, factor_decay, lr, kl_clip, the
-    /// intervals, accumulation_steps, conv_patches, compute_eigenvalue_outer_product) must be
+    /// intervals, accumulation_steps, conv_patches, compute_eigenvalue_outer_product, the curvature
+    /// modes statistics, averaging, damping_mode and relative_damping) must be
     /// the file's; true resumes with changed ones. Distribution options (strategy,
     /// grad_worker_fraction, colocate_factors, world size) may always differ.
     bool allow_changed_options = false;
@@ -81,6 +82,9 @@ inline const std::string layer_prefix = "layer.";
 inline const std::string damping_prefix = "damping.";  ///< reserved: no file holds per-layer damping
 inline const std::string option_prefix = "option.";
 inline const std::string health_prefix = "health.";
+/// `statistics_weight.<layer>`: W of the layer's running factors (kfac/detail/layer_record.hpp),
+/// in exact decimal; absent in files written before it was recorded (W unknown).
+inline const std::string statistics_weight_prefix = "statistics_weight.";
 }  // namespace key
 
 [[nodiscard]] inline std::string library_version() {
@@ -92,7 +96,8 @@ inline const std::string health_prefix = "health.";
 [[nodiscard]] inline bool shapes_the_numbers(const std::string& option) {
     static const char* const names[] = {"damping", "factor_decay", "lr", "kl_clip", "factor_update_steps",
                                         "inv_update_steps", "accumulation_steps", "conv_patches",
-                                        "compute_eigenvalue_outer_product", "eigenbasis_reuse_tolerance"};
+                                        "compute_eigenvalue_outer_product", "eigenbasis_reuse_tolerance",
+                                        "statistics", "averaging", "damping_mode", "relative_damping"};
     for (const char* n : names)
         if (option == n) return true;
     return false;
@@ -102,6 +107,9 @@ inline const std::string health_prefix = "health.";
 /// reproduces that library's behaviour (empty: the option is as old as the format).
 [[nodiscard]] inline std::string value_before_option_existed(const std::string& option) {
     if (option == "eigenbasis_reuse_tolerance") return "0";  // exact decompositions
+    // The curvature modes: kfac-pytorch's statistics, averaging and damping.
+    if (option == "statistics" || option == "averaging" || option == "damping_mode") return "reference";
+    if (option == "relative_damping") return "false";
     return {};
 }
 

@@ -34,6 +34,9 @@ struct state_dict {
     health_counters health{};
     std::map<std::string, std::string> layers;   ///< name → signature (layer_signature())
     std::map<std::string, std::string> options;  ///< name → exact decimal text, or "schedule"
+    /// Layer name → W, the weight of the statistics in its running factors (layer_state);
+    /// absent for a layer whose W is unknown (a file written before kfac recorded it).
+    std::map<std::string, double> statistics_weights;
     /// Per layer, in registration order: `<layer>.A`, `<layer>.G`, then its second-order tensors.
     std::vector<tensor> tensors;
     int version = format_version;  ///< the format version of the file it was read from
@@ -58,6 +61,8 @@ struct state_dict {
     m[key::damping] = detail::exact_number_text(s.damping);
     for (const auto& [name, signature] : s.layers) m[key::layer_prefix + name] = signature;
     for (const auto& [name, value] : s.options) m[key::option_prefix + name] = value;
+    for (const auto& [name, w] : s.statistics_weights)
+        m[key::statistics_weight_prefix + name] = detail::exact_number_text(w);
     m[key::health_prefix + "skipped_factor_updates"] = std::to_string(s.health.skipped_factor_updates);
     m[key::health_prefix + "kept_decompositions"] = std::to_string(s.health.kept_decompositions);
     m[key::health_prefix + "zeroed_gradients"] = std::to_string(s.health.zeroed_gradients);
@@ -83,6 +88,17 @@ struct state_dict {
     for (const auto& [k, v] : a.metadata) {
         if (k.rfind(key::layer_prefix, 0) == 0) s.layers[k.substr(key::layer_prefix.size())] = v;
         if (k.rfind(key::option_prefix, 0) == 0) s.options[k.substr(key::option_prefix.size())] = v;
+    }
+    for (const auto& [k, v] : a.metadata) {
+        if (k.rfind(key::statistics_weight_prefix, 0) != 0) continue;
+        const std::string layer = k.substr(key::statistics_weight_prefix.size());
+        const double w = metadata_number(a, k, source);
+        if (s.layers.count(layer) == 0 || !(w >= 0.0 && w <= 1.0))
+            throw error("checkpoint " + source + ": metadata '" + k + "' = '" + v + "' is invalid: " +
+                        (s.layers.count(layer) == 0 ? "the file has no layer '" + layer + "'"
+                                                    : std::string("a statistics weight lies in [0, 1]")) +
+                        "; the file is corrupt (use an earlier checkpoint)");
+        s.statistics_weights[layer] = w;
     }
     if (const auto declared = metadata_count(a, key::layers, source); declared != static_cast<std::int64_t>(s.layers.size()))
         throw error("checkpoint " + source + ": metadata '" + key::layers + "' = '" + std::to_string(declared) +

@@ -12,6 +12,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -44,6 +45,7 @@ struct staged_state {
     bool recompute = false;  ///< second-order data to be recomputed from the factors
     std::vector<std::optional<typename Backend::matrix>> a_factor, g_factor;
     std::vector<std::optional<typename Method::layer_data>> second;
+    std::vector<double> statistics_weights;  ///< per layer; NaN: not in the file
 };
 
 /// The options among the configuration's items (engine::configuration()) as a checkpoint
@@ -154,6 +156,10 @@ struct checkpoint_io {
             const auto* tg = take(name, name + ".G", {g_dim, g_dim});
             check_values(name, *ta, a_cols, b.a_structure);
             check_values(name, *tg, g_dim, b.g_structure);
+            const auto w = h.statistics_weights.find(name);
+            s.statistics_weights.push_back(w == h.statistics_weights.end()
+                                               ? std::numeric_limits<double>::quiet_NaN()
+                                               : w->second);
             auto& fa = s.a_factor.emplace_back();
             auto& fg = s.g_factor.emplace_back();
             if (l.role.holds_factors) {

@@ -67,6 +67,7 @@
 #include "kfac/detail/layer_record.hpp"
 #include "kfac/detail/step_plan.hpp"
 #include "kfac/detail/task_parallel.hpp"
+#include "kfac/curvature_report.hpp"
 #include "kfac/health.hpp"
 #include "kfac/layer_info.hpp"
 #include "kfac/options.hpp"
@@ -170,6 +171,8 @@ public:
     [[nodiscard]] assignment::factor_workers workers(const std::string& name) const;
     [[nodiscard]] std::vector<layer_info> layers() const;
     [[nodiscard]] memory_report memory_usage() const;
+    /// The curvature report of every layer on this rank (engine_curvature.hpp).
+    [[nodiscard]] std::vector<layer_curvature> curvature() const;
     [[nodiscard]] std::string strategy_name() const;
     [[nodiscard]] const std::vector<layer_record>& records() const noexcept { return layers_; }
     /// What every rank agrees on (kfac/detail/configuration_check.hpp): the options by name, the
@@ -199,6 +202,7 @@ private:
 
     // configuration and placement (engine_setup.hpp)
     void check_eigenbasis_reuse_supported() const;
+    void check_damping_supported() const;
     void check_configuration_agrees();
     void check_items_agree(const std::vector<config_item>& items, const std::string& subject, const std::string& fix);
     [[nodiscard]] assignment::distribution_plan distribution() const;
@@ -231,6 +235,8 @@ private:
     template <class Storage>
     void gather_tensor(const Storage& x, std::int64_t rows, std::int64_t cols, int source, bool writer,
                        std::vector<checkpoint::tensor>& tensors, std::string name, int tensor_rank);
+    /// Every layer's W from a rank that holds its factors, on rank 0. Collective.
+    [[nodiscard]] std::vector<double> gather_statistics_weights();
     /// Sets a state that load() checked on every rank: nothing here can fail but a device copy.
     void adopt_state(staged_state<Backend, method>&& s);
 

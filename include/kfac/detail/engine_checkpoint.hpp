@@ -12,6 +12,7 @@
 /// layer's G data, which holds the whole layer's data (KAISA shares A's within the column;
 /// MEM_OPT and DP-KFAC compute both on one rank). One tensor travels at a time.
 
+#include <cmath>
 #include <exception>
 #include <filesystem>
 #include <istream>
@@ -167,7 +168,10 @@ std::optional<checkpoint::state_dict> engine<Backend, CommPolicy, ComputeMethod>
             gather_tensor(x, rows, cols, place.g_worker, writer, state.tensors, l.host.name + "." + name, rank);
         });
     }
+    const std::vector<double> weights = gather_statistics_weights();
     if (!writer) return std::nullopt;
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+        if (!std::isnan(weights[i])) state.statistics_weights[layers_[i].host.name] = weights[i];
     state.step = steps_;
     state.scalar = sizeof(scalar_type) == sizeof(float) ? "float" : "double";
     state.method = compute_method_name<ComputeMethod>();
@@ -179,6 +183,26 @@ std::optional<checkpoint::state_dict> engine<Backend, CommPolicy, ComputeMethod>
     for (const auto& l : layers_) state.layers[l.host.name] = layer_signature(l.host.name, l.host.description);
     for (auto& [name, value] : saved_option_values(configuration())) state.options[name] = std::move(value);
     return state;
+}
+
+/// Every layer's W (layer_state::statistics_weight) as the first rank that holds its factors
+/// has it, on rank 0: one broadcast from each other rank that is such a first holder.
+template <class Backend, class CommPolicy, class ComputeMethod>
+std::vector<double> engine<Backend, CommPolicy, ComputeMethod>::gather_statistics_weights() {
+    std::vector<double> weights(layers_.size());
+    for (std::size_t i = 0; i < layers_.size(); ++i) weights[i] = layers_[i].state.statistics_weight;
+    for (int source = 1; source < comm_.size(); ++source) {
+        std::vector<std::size_t> held;
+        for (std::size_t i = 0; i < layers_.size(); ++i)
+            if (plan_.layers[i].factor_holders.front() == source) held.push_back(i);
+        if (held.empty()) continue;
+        std::vector<double> part(held.size());
+        for (std::size_t k = 0; k < held.size(); ++k) part[k] = weights[held[k]];
+        comm_.broadcast(part.data(), part.size(), source, comm_.world());
+        comm_.wait();
+        for (std::size_t k = 0; k < held.size(); ++k) weights[held[k]] = part[k];
+    }
+    return weights;
 }
 
 template <class Backend, class CommPolicy, class ComputeMethod>
@@ -204,6 +228,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::adopt_state(staged_state<Backen
         auto& st = layers_[i].state;
         if (s.a_factor[i]) st.a_factor = std::move(*s.a_factor[i]);
         if (s.g_factor[i]) st.g_factor = std::move(*s.g_factor[i]);
+        st.statistics_weight = s.statistics_weights[i];
         st.has_second = false;
         if (s.second[i]) {
             st.second = std::move(*s.second[i]);

@@ -5,6 +5,7 @@
 /// (capture_pass), the host told its pass was read (end_pass), and the running averages
 /// F ← ξF + (1 − ξ)F̂, averaged over ranks (update_factors).
 
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "kfac/comm/serial.hpp"
 #include "kfac/detail/engine.hpp"
 #include "kfac/detail/group_views.hpp"
+#include "kfac/detail/statistic_scale.hpp"
 #include "kfac/detail/statistics_views.hpp"
 
 namespace kfac::detail {
@@ -88,9 +90,19 @@ void engine<Backend, CommPolicy, ComputeMethod>::capture_pass() {
         l.statistics.pass_rows = static_cast<scalar_type>(rows);
         l.statistics.pass_applications = n;
         if (n == 0) continue;
-        blocks::statistic_pass<scalar_type> pass{std::move(a), std::move(g),
-                                                 passes_ == 0 ? 0 : l.statistics.captured_applications, a_elements,
-                                                 g_elements, options_.conv_patches};
+        std::vector<statistic_scales> scales;
+        if (options_.statistics == statistic_scale::per_example) {
+            const layer_description block = d.group_block();
+            for (std::size_t i = 0; i < a.size(); ++i)
+                scales.push_back(per_example_scales(block, a[i], g[i], options_.conv_patches));
+        }
+        blocks::statistic_pass<scalar_type> pass{std::move(a),
+                                                 std::move(g),
+                                                 passes_ == 0 ? 0 : l.statistics.captured_applications,
+                                                 a_elements,
+                                                 g_elements,
+                                                 options_.conv_patches,
+                                                 std::move(scales)};
         for (auto& t : l.block->statistic_tasks(l, std::move(pass))) tasks.push_back(layer_task(l, std::move(t)));
     }
     agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
@@ -164,11 +176,22 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan&
         if (!l.role.holds_factors) continue;
         const double count = averaged ? static_cast<double>(weights[i]) : static_cast<double>(total_applications(l));
         if (count == 0.0) continue;  // applied on no rank in this step: no data, no decay
-        const auto weight = static_cast<scalar_type>((1.0 - decay) / count);
-        if (l.block->statistic_finite(l.statistics))
-            l.block->average(l.state, l.statistics, xi, weight);
-        else
+        if (!l.block->statistic_finite(l.statistics)) {
             outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
+            continue;
+        }
+        double& w = l.state.statistics_weight;
+        if (options_.averaging == factor_averaging::bias_corrected) {
+            // F = R/W: F ← (ξW·F + (1 − ξ)F̂) / W', W' = ξW + (1 − ξ). Unknown W: F taken as a full average.
+            const double before = std::isnan(w) ? 1.0 : w;
+            const double after = decay * before + (1.0 - decay);
+            l.block->average(l.state, l.statistics, static_cast<scalar_type>(decay * before / after),
+                             static_cast<scalar_type>((1.0 - decay) / (after * count)));
+            w = after;
+        } else {
+            l.block->average(l.state, l.statistics, xi, static_cast<scalar_type>((1.0 - decay) / count));
+            w = decay * w + (1.0 - decay);
+        }
     }
 }
 

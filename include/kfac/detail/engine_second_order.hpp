@@ -39,6 +39,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
     struct result {
         typename method::factor_data a, g;
         bool ok_a = true, ok_g = true;
+        damping_terms terms{};  // where this update's damping goes (kfac/detail/damping_terms.hpp)
     };
     std::vector<result> results(layers_.size());
     std::vector<detail::task> tasks;
@@ -51,18 +52,17 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
         const bool has_previous = l.state.has_second;
         const auto* previous_a = has_previous ? &l.state.second.a : &none;
         const auto* previous_g = has_previous ? &l.state.second.g : &none;
+        if (l.role.computes_a || l.role.computes_g) r.terms = l.block->damping_of(l.state, damping, options_);
         if (l.role.computes_a)
-            tasks.push_back(layer_task(
-                l, {l.block->second_order_cost(d, factor_side::a), [&l, &r, previous_a, damping, this] {
-                        r.ok_a =
-                            l.block->compute(factor_side::a, l.state.a_factor, damping, options_, *previous_a, r.a);
-                    }}));
+            tasks.push_back(layer_task(l, {l.block->second_order_cost(d, factor_side::a), [&l, &r, previous_a, this] {
+                                               r.ok_a = l.block->compute(factor_side::a, l.state.a_factor, r.terms.a,
+                                                                         options_, *previous_a, r.a);
+                                           }}));
         if (l.role.computes_g)
-            tasks.push_back(layer_task(
-                l, {l.block->second_order_cost(d, factor_side::g), [&l, &r, previous_g, damping, this] {
-                        r.ok_g =
-                            l.block->compute(factor_side::g, l.state.g_factor, damping, options_, *previous_g, r.g);
-                    }}));
+            tasks.push_back(layer_task(l, {l.block->second_order_cost(d, factor_side::g), [&l, &r, previous_g, this] {
+                                               r.ok_g = l.block->compute(factor_side::g, l.state.g_factor, r.terms.g,
+                                                                         options_, *previous_g, r.g);
+                                           }}));
     }
     agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
     for (std::size_t i = 0; i < layers_.size(); ++i) {
@@ -74,12 +74,12 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
                 count_bases(l, r.a, r.g);
                 if (p.computes_a) l.state.second.a = std::move(r.a);
                 if (p.computes_g) l.state.second.g = std::move(r.g);
-                if (p.computes_a && p.computes_g) l.block->finalize(l.state.second, damping, options_);
+                if (p.computes_a && p.computes_g) l.block->finalize(l.state.second, r.terms.product, options_);
                 l.state.has_second = true;
             } else {
                 outcome.add(l, non_finite_source::decomposition, plan.step, &health_counters::kept_decompositions);
                 if (!l.state.has_second) {  // nothing to keep: precondition with the identity's data
-                    l.block->identity_data(l.state.second, l.host.description, damping, options_);
+                    l.block->identity_data(l.state.second, l.host.description, r.terms, options_);
                     l.state.has_second = true;
                 }
             }

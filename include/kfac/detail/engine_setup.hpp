@@ -26,6 +26,7 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
         validate(options_);
         if (!options_.damping.is_schedule()) detail::check_damping_representable<scalar_type>(options_.damping(0));
         check_eigenbasis_reuse_supported();
+        check_damping_supported();
         skip_filter_ = skip_filter(options_);
         reduce_filter_ = reduce_filter(options_);
     });
@@ -47,6 +48,21 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_eigenbasis_reuse_supporte
         throw error(option +
                     " is not supported by this backend (it lacks rayleigh_quotients, "
                     "kfac/backend/eigenbasis_reuse.hpp); set the tolerance to 0 or use the CPU backend");
+}
+
+/// Relative and factored damping fix each layer's damping at the inverse update; the eigen
+/// method without the precomputed outer product divides by the step's damping at every step
+/// instead, where the per-layer value is not at hand.
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::check_damping_supported() const {
+    if (!damping_reads_factors(options_) || !std::is_same_v<ComputeMethod, compute::eigendecomposition> ||
+        options_.compute_eigenvalue_outer_product)
+        return;
+    throw error(std::string("options.") +
+                (options_.relative_damping ? "relative_damping = true" : "damping_mode = damping_form::factored") +
+                " needs options.compute_eigenvalue_outer_product = true with the eigendecomposition method (the "
+                "per-layer damping is fixed at each inverse update, in the eigenvalue outer product); set it to "
+                "true, or use the reference damping");
 }
 
 /// What every rank must agree on: the layers in order, then the options that shape the
@@ -83,6 +99,10 @@ std::vector<config_item> engine<Backend, CommPolicy, ComputeMethod>::configurati
     items.push_back({"options.eigenbasis_reuse_tolerance", exact_number_text(options_.eigenbasis_reuse_tolerance)});
     items.push_back(
         {"options.conv_patches", options_.conv_patches == conv_patch_mode::reference ? "reference" : "dilated"});
+    items.push_back({"options.statistics", option_value_name(options_.statistics)});
+    items.push_back({"options.averaging", option_value_name(options_.averaging)});
+    items.push_back({"options.damping_mode", option_value_name(options_.damping_mode)});
+    items.push_back({"options.relative_damping", flag(options_.relative_damping)});
     items.push_back({"options.strategy", options_.strategy == distribution::kaisa ? "kaisa" : "dp_kfac"});
     items.push_back({"options.grad_worker_fraction", exact_number_text(options_.grad_worker_fraction)});
     items.push_back({"options.colocate_factors", flag(options_.colocate_factors)});

@@ -36,6 +36,11 @@ struct layer_state {
     /// Second-order data in force, on the ranks whose role holds it.
     typename Method::layer_data second{};
     bool has_second = false;
+    /// W, the weight of the statistics in the running factors: W ← ξW + (1 − ξ) at each
+    /// update, from 0, so that 1 − W is the weight the identity start keeps under the
+    /// reference averaging, and F = R/W under bias-corrected averaging
+    /// (options.averaging). NaN: unknown (loaded from a checkpoint that did not record it).
+    double statistics_weight = 0.0;
 };
 
 /// The step in progress: the batch statistics of the passes folded in so far (lower

@@ -149,6 +149,12 @@ void clamp_nonnegative(Policy&& policy, T* v, index n) {
     for_each_index(policy, n, [=] KFAC_HOST_DEVICE(index i) { v[i] = v[i] > T(0) ? v[i] : T(0); });
 }
 
+/// v_i += s.
+template <class Policy, class T>
+void add_constant(Policy&& policy, T* v, index n, T s) {
+    for_each_index(policy, n, [=] KFAC_HOST_DEVICE(index i) { v[i] += s; });
+}
+
 /// D(i, j) = 1 / (a_i·g_j + damping): the same two roundings as the CPU backend.
 template <class Policy, class T>
 void inverse_eigen_product(Policy&& policy, const T* a, index m, const T* g, index n, T damping, T* d) {

@@ -1,0 +1,45 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file engine_curvature.hpp
+/// The curvature report (kfac/curvature_report.hpp): each layer's running factors on this
+/// rank, decomposed on demand, against the damping an inverse update at this step would use.
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kfac/curvature_report.hpp"
+#include "kfac/detail/engine.hpp"
+
+namespace kfac::detail {
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+std::vector<layer_curvature> engine<Backend, CommPolicy, ComputeMethod>::curvature() const {
+    const double gamma = options_.damping(steps_);
+    std::vector<layer_curvature> out;
+    for (const auto& l : layers_) {
+        layer_curvature c;
+        c.name = l.host.name;
+        c.held = l.role.holds_factors;
+        if (c.held) {
+            const double w = l.state.statistics_weight;
+            c.identity_weight = options_.averaging == factor_averaging::bias_corrected ? (w > 0.0 ? 0.0 : 1.0)
+                                : std::isnan(w)                                        ? w
+                                                                                       : 1.0 - w;
+            const auto [lambda_a, lambda_g] = l.block->spectra(l.state);
+            c.a = summarise(lambda_a);
+            c.g = summarise(lambda_g);
+            c.mean_product = c.a.mean * c.g.mean;
+            const damping_terms t = l.block->damping_of(l.state, gamma, options_);
+            c.damping = gamma;
+            c.damping_a = t.a;
+            c.damping_g = t.g;
+            c.damping_product = t.product;
+            c.curvature_share = detail::curvature_share(lambda_a, lambda_g, t.a, t.g, t.product);
+        }
+        out.push_back(std::move(c));
+    }
+    return out;
+}
+
+}  // namespace kfac::detail
