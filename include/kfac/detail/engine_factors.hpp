@@ -5,6 +5,7 @@
 /// (capture_pass), the host told its pass was read (end_pass), and the running averages
 /// F ← ξF + (1 − ξ)F̂, averaged over ranks (update_factors).
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -184,13 +185,14 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan&
         if (options_.averaging == factor_averaging::bias_corrected) {
             // F = R/W: F ← (ξW·F + (1 − ξ)F̂) / W', W' = ξW + (1 − ξ). Unknown W: F taken as a full average.
             const double before = std::isnan(w) ? 1.0 : w;
-            const double after = decay * before + (1.0 - decay);
+            const double after = std::min(1.0, decay * before + (1.0 - decay));
             l.block->average(l.state, l.statistics, static_cast<scalar_type>(decay * before / after),
                              static_cast<scalar_type>((1.0 - decay) / (after * count)));
             w = after;
         } else {
             l.block->average(l.state, l.statistics, xi, static_cast<scalar_type>((1.0 - decay) / count));
             w = decay * w + (1.0 - decay);
+            if (w > 1.0) w = 1.0;  // W ≤ 1 whatever the rounding (a checkpoint checks it); NaN stays unknown
         }
     }
 }
