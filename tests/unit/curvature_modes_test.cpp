@@ -211,6 +211,30 @@ TEST_CASE("per-example statistics of every layer kind scale the reference's by t
         l.bind();
         cases.push_back({"conv2d reduce", l, 1.0, 4.0});
     }
+    {  // Conv1d, N = 3, length 7, kernel 3, padding 1: 7 output positions, S³ and N²·S²
+        owned_layer<double> l;
+        l.view.description = kfac::conv1d_description(2, 3, kfac::conv1d_geometry{3, 1, 1, 1, 1}, true);
+        l.input = random_vector<double>(42, 60);
+        l.grad_output = random_vector<double>(63, 61, 0.1);
+        l.grad_weight = random_vector<double>(18, 62);
+        l.grad_bias = random_vector<double>(3, 63);
+        l.input_shape = {3, 2, 7};
+        l.output_shape = {3, 3, 7};
+        l.bind();
+        l.view.grad_weight = kfac::tensor_view<double>(l.grad_weight.data(), {3, 2, 3});
+        cases.push_back({"conv1d", l, 7.0 * 7.0 * 7.0, 9.0 * 7.0 * 7.0});
+    }
+    {  // BatchNorm2d over [N = 4, C = 3, 2, 2], weight sharing reduce: one row per example, N²
+        owned_layer<double> l;
+        l.view.description = kfac::batch_norm_description(3, true);
+        l.input = random_vector<double>(48, 64);
+        l.grad_output = random_vector<double>(48, 65, 0.1);
+        l.grad_weight = random_vector<double>(3, 66);
+        l.grad_bias = random_vector<double>(3, 67);
+        l.input_shape = l.output_shape = {4, 3, 2, 2};
+        l.bind();
+        cases.push_back({"batch_norm", l, 16.0, 1.0});
+    }
     {  // LayerNorm over [N = 3, T = 2, C = 4]: its blocks are quadratic in g, S·N² = 2·9
         owned_layer<double> l;
         l.view.description = kfac::layer_norm_description(4, true);
@@ -224,7 +248,9 @@ TEST_CASE("per-example statistics of every layer kind scale the reference's by t
     }
     for (auto& kc : cases) {
         INFO(kc.name);
-        kc.layer.bind();
+        kc.layer.bind();  // the copy's views onto its own buffers
+        if (kc.layer.view.description.kind == kfac::layer_kind::conv1d)
+            kc.layer.view.grad_weight = kfac::tensor_view<double>(kc.layer.grad_weight.data(), {3, 2, 3});
         kfac::options reference_options = per_example_options();
         reference_options.statistics = kfac::statistic_scale::reference;
         modes_precond<double> ref(reference_options), pe(per_example_options());
