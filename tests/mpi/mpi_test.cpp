@@ -77,6 +77,15 @@ struct model {
             l.bind();
         }
     }
+    /// The gradients reset and fresh inputs for `step`: layer i's from seed first_seed + 10·step + i.
+    void next_pass(std::uint32_t first_seed, std::uint32_t step) {
+        reset_gradients();
+        for (std::size_t i = 0; i < layers.size(); ++i) {
+            auto& l = layers[i];
+            l.input = random_vector<double>(l.input.size(), first_seed + 10 * step + static_cast<std::uint32_t>(i));
+            l.bind();
+        }
+    }
 };
 
 kfac::comm_counters delta(const kfac::comm_counters& after, const kfac::comm_counters& before) {
@@ -829,14 +838,7 @@ TEST_CASE("eigenbasis reuse: every strategy equals one process, each factor deci
         spread.register_all(p);
         one.register_all(whole);
         for (std::uint32_t step = 0; step < 6; ++step) {
-            for (auto* m : {&spread, &one}) {
-                m->reset_gradients();
-                for (std::size_t i = 0; i < m->layers.size(); ++i) {
-                    auto& l = m->layers[i];
-                    l.input = random_vector<double>(l.input.size(), 7000 + 10 * step + static_cast<std::uint32_t>(i));
-                    l.bind();
-                }
-            }
+            for (auto* m : {&spread, &one}) m->next_pass(7000, step);
             p.step();
             whole.step();
             INFO("step " << step);
@@ -887,14 +889,7 @@ TEMPLATE_TEST_CASE("curvature modes: every strategy equals one process", "[mpi][
         spread.register_all(p);
         one.register_all(whole);
         for (std::uint32_t step = 0; step < 3; ++step) {
-            for (auto* m : {&spread, &one}) {
-                m->reset_gradients();
-                for (std::size_t i = 0; i < m->layers.size(); ++i) {
-                    auto& l = m->layers[i];
-                    l.input = random_vector<double>(l.input.size(), 8000 + 10 * step + static_cast<std::uint32_t>(i));
-                    l.bind();
-                }
-            }
+            for (auto* m : {&spread, &one}) m->next_pass(8000, step);
             p.step();
             whole.step();
             INFO("step " << step);

@@ -52,6 +52,22 @@ mat<double> exact_fisher(const mat<double>& x, const mat<double>& ds) {
     return f / static_cast<double>(n);
 }
 
+/// An Embedding of `vocabulary` tokens of width `width` over ids [examples, positions]
+/// (id i of the flattened view: (i · step) mod vocabulary), output gradients and weight gradient
+/// from `seed`.
+owned_layer<double> embedding_layer(std::int64_t vocabulary, std::int64_t width, std::int64_t examples,
+                                    std::int64_t positions, std::int64_t step, std::uint32_t seed) {
+    owned_layer<double> l;
+    l.view.description = kfac::embedding_description(vocabulary, width);
+    for (std::int64_t i = 0; i < examples * positions; ++i) l.input.push_back(static_cast<double>((i * step) % vocabulary));
+    l.grad_output = random_vector<double>(static_cast<std::size_t>(examples * positions * width), seed, 0.1);
+    l.grad_weight = random_vector<double>(static_cast<std::size_t>(vocabulary * width), seed + 1);
+    l.input_shape = {examples, positions};
+    l.output_shape = {examples, positions, width};
+    l.bind();
+    return l;
+}
+
 }  // namespace
 
 // For one example per batch the Fisher block is a Kronecker product exactly; for N examples it
@@ -190,17 +206,8 @@ TEST_CASE("per-example statistics of every layer kind scale the reference's by t
         l.bind();
         cases.push_back({"linear [2, 5, in]", l, 5.0, 4.0});
     }
-    {  // Embedding, ids [N = 3, T = 4] of a 6-token vocabulary: S = 4
-        owned_layer<double> l;
-        l.view.description = kfac::embedding_description(6, 3);
-        for (int i = 0; i < 12; ++i) l.input.push_back(static_cast<double>((i * 5) % 6));
-        l.grad_output = random_vector<double>(36, 52, 0.1);
-        l.grad_weight = random_vector<double>(18, 53);
-        l.input_shape = {3, 4};
-        l.output_shape = {3, 4, 3};
-        l.bind();
-        cases.push_back({"embedding [3, 4]", l, 4.0, 9.0});
-    }
+    // Embedding, ids [N = 3, T = 4] of a 6-token vocabulary: S = 4
+    cases.push_back({"embedding [3, 4]", embedding_layer(6, 3, 3, 4, 5, 52), 4.0, 9.0});
     {  // Conv2d, N = 2, 4 × 4 output positions: S³ and N²·S²
         auto l = random_conv<double>(2, 2, 3, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 1}, true, 4, 4, 54);
         cases.push_back({"conv2d", l, 16.0 * 16.0 * 16.0, 4.0 * 16.0 * 16.0});
@@ -224,28 +231,12 @@ TEST_CASE("per-example statistics of every layer kind scale the reference's by t
         l.view.grad_weight = kfac::tensor_view<double>(l.grad_weight.data(), {3, 2, 3});
         cases.push_back({"conv1d", l, 7.0 * 7.0 * 7.0, 9.0 * 7.0 * 7.0});
     }
-    {  // BatchNorm2d over [N = 4, C = 3, 2, 2], weight sharing reduce: one row per example, N²
-        owned_layer<double> l;
-        l.view.description = kfac::batch_norm_description(3, true);
-        l.input = random_vector<double>(48, 64);
-        l.grad_output = random_vector<double>(48, 65, 0.1);
-        l.grad_weight = random_vector<double>(3, 66);
-        l.grad_bias = random_vector<double>(3, 67);
-        l.input_shape = l.output_shape = {4, 3, 2, 2};
-        l.bind();
-        cases.push_back({"batch_norm", l, 16.0, 1.0});
-    }
-    {  // LayerNorm over [N = 3, T = 2, C = 4]: its blocks are quadratic in g, S·N² = 2·9
-        owned_layer<double> l;
-        l.view.description = kfac::layer_norm_description(4, true);
-        l.input = random_vector<double>(24, 56);
-        l.grad_output = random_vector<double>(24, 57, 0.1);
-        l.grad_weight = random_vector<double>(4, 58);
-        l.grad_bias = random_vector<double>(4, 59);
-        l.input_shape = l.output_shape = {3, 2, 4};
-        l.bind();
-        cases.push_back({"layer_norm", l, 18.0, 1.0});
-    }
+    // BatchNorm2d over [N = 4, C = 3, 2, 2], weight sharing reduce: one row per example, N²
+    cases.push_back({"batch_norm", random_norm<double>(kfac::batch_norm_description(3, true), {4, 3, 2, 2}, 64),
+                     16.0, 1.0});
+    // LayerNorm over [N = 3, T = 2, C = 4]: its blocks are quadratic in g, S·N² = 2·9
+    cases.push_back({"layer_norm", random_norm<double>(kfac::layer_norm_description(4, true), {3, 2, 4}, 56), 18.0,
+                     1.0});
     for (auto& kc : cases) {
         INFO(kc.name);
         kc.layer.bind();  // the copy's views onto its own buffers
@@ -472,14 +463,7 @@ TEMPLATE_TEST_CASE("factored and relative damping on diagonal and unit-wise bloc
     using M = TestType;
     const double gamma = 0.05;
     SECTION("Embedding, factored") {
-        owned_layer<double> l;
-        l.view.description = kfac::embedding_description(5, 3);
-        for (int i = 0; i < 12; ++i) l.input.push_back(static_cast<double>((i * 3) % 5));
-        l.grad_output = random_vector<double>(36, 301, 0.1);
-        l.grad_weight = random_vector<double>(15, 302);
-        l.input_shape = {4, 3};
-        l.output_shape = {4, 3, 3};
-        l.bind();
+        auto l = embedding_layer(5, 3, 4, 3, 3, 301);
         const std::vector<double> grad = l.grad_weight;
         kfac::options o = per_example_options();
         o.damping = gamma;
@@ -497,14 +481,7 @@ TEMPLATE_TEST_CASE("factored and relative damping on diagonal and unit-wise bloc
         CHECK(rel_err(got.reshaped(), expected.reshaped()) < 1e-10);
     }
     SECTION("LayerNorm, relative and factored") {
-        owned_layer<double> l;
-        l.view.description = kfac::layer_norm_description(4, true);
-        l.input = random_vector<double>(24, 311);
-        l.grad_output = random_vector<double>(24, 312, 0.1);
-        l.grad_weight = random_vector<double>(4, 313);
-        l.grad_bias = random_vector<double>(4, 314);
-        l.input_shape = l.output_shape = {3, 2, 4};
-        l.bind();
+        auto l = random_norm<double>(kfac::layer_norm_description(4, true), {3, 2, 4}, 311);
         const std::vector<double> gw = l.grad_weight, gb = l.grad_bias;
         kfac::options o = per_example_options();
         o.damping = gamma;

@@ -21,22 +21,6 @@ using namespace kfac_test;
 namespace {
 
 
-/// A normalisation layer's views: x̂ and dy of `shape`, gradients of γ and β.
-template <class T>
-owned_layer<T> random_norm(const kfac::layer_description& d, const std::vector<std::int64_t>& shape, std::uint32_t seed) {
-    owned_layer<T> l;
-    l.view.description = d;
-    std::int64_t size = 1;
-    for (auto e : shape) size *= e;
-    l.input = random_vector<T>(static_cast<std::size_t>(size), seed);
-    l.grad_output = random_vector<T>(static_cast<std::size_t>(size), seed + 1, 0.1);
-    l.grad_weight = random_vector<T>(static_cast<std::size_t>(d.out), seed + 2, 0.1);
-    l.grad_bias = random_vector<T>(static_cast<std::size_t>(d.out), seed + 3, 0.1);
-    l.input_shape = l.output_shape = shape;
-    l.bind();
-    return l;
-}
-
 /// The definition: F_c = (1/R) Σ_rows t tᵀ, t = (Σ x̂ dy, Σ dy) over the row's positions; a
 /// row is one example (weight sharing reduce) or one (example, position) pair (expand). The
 /// layout: LayerNorm [N, positions..., C] (a rank-1 view one example), BatchNorm [N, C,

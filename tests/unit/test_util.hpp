@@ -145,6 +145,22 @@ owned_layer<T> random_conv(std::int64_t n, std::int64_t c_in, std::int64_t c_out
     return l;
 }
 
+/// A normalisation layer's views: x̂ and dy of `shape`, gradients of γ and β.
+template <class T>
+owned_layer<T> random_norm(const kfac::layer_description& d, const std::vector<std::int64_t>& shape, std::uint32_t seed) {
+    owned_layer<T> l;
+    l.view.description = d;
+    std::int64_t size = 1;
+    for (auto e : shape) size *= e;
+    l.input = random_vector<T>(static_cast<std::size_t>(size), seed);
+    l.grad_output = random_vector<T>(static_cast<std::size_t>(size), seed + 1, 0.1);
+    l.grad_weight = random_vector<T>(static_cast<std::size_t>(d.out), seed + 2, 0.1);
+    l.grad_bias = random_vector<T>(static_cast<std::size_t>(d.out), seed + 3, 0.1);
+    l.input_shape = l.output_shape = shape;
+    l.bind();
+    return l;
+}
+
 /// Naive direct convolution (zero padding, stride, dilation), NCHW, no bias.
 template <class T>
 std::vector<T> naive_conv2d(const std::vector<T>& x, std::int64_t n, std::int64_t c, std::int64_t h, std::int64_t w,
