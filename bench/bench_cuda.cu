@@ -3,13 +3,19 @@
 /// The CUDA backend on a GPU (a plain CLI; JSON lines on stdout):
 ///
 ///   bench_cuda --model bench/models/resnet32_cifar10.txt [--model ...] [--batch B]
-///              [--iterations N] [--eigen-sizes 64,128,...] [--double]
+///              [--iterations N] [--eigen-sizes 64,128,...] [--double] [--linear-only]
 ///
 /// * eigensolver sweep: backend::cuda<T>::symmetric_eigen and damped_inverse on Wishart
-///   matrices X Xᵀ/n + 1e-3 I of each size (median of N, after one warm-up);
+///   matrices X Xᵀ/n + 1e-3 I of each size (median of N, after one warm-up; --eigen-sizes ''
+///   skips it);
 /// * K-FAC steps per model: update step (factor statistics, decompositions,
 ///   preconditioning) and non-update step, eigendecomposition and inverse methods, with the
-///   layers' buffers in device memory (device views, as a GPU framework hands them over).
+///   layers' buffers in device memory (device views, as a GPU framework hands them over),
+///   and what one step of each kind costs in host synchronisations and host↔device copies
+///   (backend::cuda<T>::transfers()). --linear-only keeps the Linear and Conv2d layers, the
+///   ones kfac-pytorch preconditions (bench/side_by_side_gpu.py).
+/// Options as kfac-pytorch's defaults where the side-by-side compares them: damping 0.003,
+/// factor_decay 0.95, kl_clip 0.001, lr 0.1, compute_eigenvalue_outer_product.
 /// Times are wall-clock around the call after cudaDeviceSynchronize on both sides. Without a
 /// GPU it says so and exits 77. bench/torch_eigh.py times torch.linalg.eigh on the same sizes.
 
@@ -34,12 +40,16 @@ template <class T>
 struct device_array {
     T* data = nullptr;
     std::size_t size = 0;
-    device_array(std::size_t n, std::mt19937& gen, double scale) : size(n) {
+    device_array(std::size_t n, std::mt19937& gen, double scale) : device_array(normal(n, gen, scale)) {}
+    explicit device_array(const std::vector<T>& h) : size(h.size()) {
+        kfac::backend::cuda_detail::check(cudaMalloc(&data, size * sizeof(T)), "cudaMalloc");
+        kfac::backend::cuda_detail::check(cudaMemcpy(data, h.data(), size * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+    }
+    static std::vector<T> normal(std::size_t n, std::mt19937& gen, double scale) {
         std::normal_distribution<double> dist(0.0, scale);
         std::vector<T> h(n);
         for (auto& x : h) x = static_cast<T>(dist(gen));
-        kfac::backend::cuda_detail::check(cudaMalloc(&data, n * sizeof(T)), "cudaMalloc");
-        kfac::backend::cuda_detail::check(cudaMemcpy(data, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+        return h;
     }
     device_array(const device_array&) = delete;
     device_array& operator=(const device_array&) = delete;
@@ -97,7 +107,21 @@ void kfac_steps(const kfac_bench::model& m, const std::string& name, std::int64_
             return keep.back()->data;
         };
         const auto dev = kfac::memory_space::device;
-        if (d.kind == kfac::layer_kind::conv2d) {
+        if (d.kind == kfac::layer_kind::embedding) {  // ids [batch, rows], uniform over the vocabulary
+            const auto rows = l.rows_per_sample;
+            std::uniform_int_distribution<std::int64_t> token(0, d.in - 1);
+            std::vector<T> ids(static_cast<std::size_t>(batch * rows));
+            for (auto& id : ids) id = static_cast<T>(token(gen));
+            keep.push_back(std::make_unique<device_array<T>>(ids));
+            v.input = {keep.back()->data, {batch, rows}, dev};
+            v.grad_output = {add(static_cast<std::size_t>(batch * rows * d.out), 1.0 / batch), {batch, rows, d.out}, dev};
+            v.grad_weight = {add(static_cast<std::size_t>(d.in * d.out), 0.01), {d.in, d.out}, dev};
+        } else if (d.kind == kfac::layer_kind::layer_norm) {  // x̂ and dy [batch·rows, C]
+            const auto rows = batch * l.rows_per_sample;
+            v.input = {add(static_cast<std::size_t>(rows * d.out), 1.0), {rows, d.out}, dev};
+            v.grad_output = {add(static_cast<std::size_t>(rows * d.out), 1.0 / batch), {rows, d.out}, dev};
+            v.grad_weight = {add(static_cast<std::size_t>(d.out), 0.01), {d.out}, dev};
+        } else if (d.kind == kfac::layer_kind::conv2d) {
             const auto ho = kfac::conv_output_extent(l.height, d.conv.kernel[0], d.conv.stride[0], d.conv.padding[0], 1);
             const auto wo = kfac::conv_output_extent(l.width, d.conv.kernel[1], d.conv.stride[1], d.conv.padding[1], 1);
             v.input = {add(static_cast<std::size_t>(batch * d.in * l.height * l.width), 1.0), {batch, d.in, l.height, l.width}, dev};
@@ -114,25 +138,45 @@ void kfac_steps(const kfac_bench::model& m, const std::string& name, std::int64_
     for (bool update : {true, false}) {
         kfac::options o;
         o.damping = 0.003;
+        o.factor_decay = 0.95;
+        o.kl_clip = 0.001;
+        o.lr = 0.1;
+        o.compute_eigenvalue_outer_product = true;
         if (!update) o.factor_update_steps = o.inv_update_steps = std::int64_t{1000000};
         kfac::KFAC<kfac::backend::cuda<T>, kfac::comm::serial, Method> p(o);
         for (std::size_t i = 0; i < views.size(); ++i) p.register_layer(m.layers[i].name, views[i]);
         // Preconditioning rewrites the gradients in place; their scale does not change the work.
         const double ms = median_ms(iterations, [&] { p.step(); });
+        const auto before = kfac::backend::cuda<T>::transfers();
+        p.step();  // one more of the same kind, counted
+        const auto cost = kfac::backend::cuda<T>::transfers() - before;
         std::printf("{\"bench\": \"kfac_step\", \"model\": \"%s\", \"dtype\": \"%s\", \"method\": \"%s\", \"batch\": %lld, "
-                    "\"step\": \"%s\", \"ms\": %.3f}\n",
+                    "\"layers\": %zu, \"step\": \"%s\", \"ms\": %.3f, \"synchronizations\": %lld, "
+                    "\"device_to_host\": %lld, \"host_to_device\": %lld}\n",
                     name.c_str(), sizeof(T) == 4 ? "float32" : "float64",
                     std::is_same_v<Method, kfac::compute::eigendecomposition> ? "eigen" : "inverse",
-                    static_cast<long long>(batch), update ? "update" : "non_update", ms);
+                    static_cast<long long>(batch), views.size(), update ? "update" : "non_update", ms,
+                    static_cast<long long>(cost.synchronizations), static_cast<long long>(cost.device_to_host),
+                    static_cast<long long>(cost.host_to_device));
         std::fflush(stdout);
     }
 }
 
+/// The model's Linear and Conv2d layers: what kfac-pytorch preconditions.
+kfac_bench::model linear_and_conv_only(kfac_bench::model m) {
+    std::erase_if(m.layers, [](const kfac_bench::model_layer& l) {
+        return l.description.kind != kfac::layer_kind::linear && l.description.kind != kfac::layer_kind::conv2d;
+    });
+    return m;
+}
+
 template <class T>
-int run(const std::vector<std::string>& models, std::int64_t batch, int iterations, const std::vector<std::int64_t>& sizes) {
+int run(const std::vector<std::string>& models, std::int64_t batch, int iterations, const std::vector<std::int64_t>& sizes,
+        bool linear_only) {
     eigensolver_sweep<T>(sizes, iterations);
     for (const auto& path : models) {
-        const auto m = kfac_bench::read_model(path);
+        auto m = kfac_bench::read_model(path);
+        if (linear_only) m = linear_and_conv_only(std::move(m));
         const std::string name = path.substr(path.find_last_of('/') + 1);
         kfac_steps<T, kfac::compute::eigendecomposition>(m, name, batch ? batch : m.batch, iterations);
         kfac_steps<T, kfac::compute::inverse>(m, name, batch ? batch : m.batch, iterations);
@@ -146,7 +190,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> models;
     std::int64_t batch = 0;
     int iterations = 5;
-    bool use_double = false;
+    bool use_double = false, linear_only = false;
     std::vector<std::int64_t> sizes = {64, 128, 256, 577, 1024, 2048, 4608};
     for (int i = 1; i < argc; ++i) {
         const std::string arg = argv[i];
@@ -155,10 +199,12 @@ int main(int argc, char** argv) {
         else if (arg == "--batch") batch = std::stoll(value());
         else if (arg == "--iterations") iterations = std::stoi(value());
         else if (arg == "--double") use_double = true;
+        else if (arg == "--linear-only") linear_only = true;
         else if (arg == "--eigen-sizes") {
             sizes.clear();
             std::stringstream s(value());
-            for (std::string item; std::getline(s, item, ',');) sizes.push_back(std::stoll(item));
+            for (std::string item; std::getline(s, item, ',');)
+                if (!item.empty()) sizes.push_back(std::stoll(item));
         } else {
             std::fprintf(stderr, "bench_cuda: unknown argument '%s'\n", arg.c_str());
             return 2;
@@ -169,7 +215,8 @@ int main(int argc, char** argv) {
         return 77;
     }
     try {
-        return use_double ? run<double>(models, batch, iterations, sizes) : run<float>(models, batch, iterations, sizes);
+        return use_double ? run<double>(models, batch, iterations, sizes, linear_only)
+                          : run<float>(models, batch, iterations, sizes, linear_only);
     } catch (const std::exception& e) {
         std::fprintf(stderr, "bench_cuda: %s\n", e.what());
         return 1;

@@ -61,6 +61,18 @@ inline model read_model(const std::string& path) {
             if (!(s >> l.name >> in_f >> out_f >> bias >> l.rows_per_sample))
                 throw kfac::error(path + ":" + std::to_string(number) + ": expected linear NAME IN OUT BIAS ROWS_PER_SAMPLE");
             l.description = kfac::linear_description(in_f, out_f, bias != 0);
+        } else if (kind == "embedding") {
+            std::int64_t vocabulary, width;
+            if (!(s >> l.name >> vocabulary >> width >> l.rows_per_sample))
+                throw kfac::error(path + ":" + std::to_string(number) +
+                                  ": expected embedding NAME VOCABULARY WIDTH ROWS_PER_SAMPLE");
+            l.description = kfac::embedding_description(vocabulary, width);
+        } else if (kind == "layer_norm") {
+            std::int64_t features;
+            if (!(s >> l.name >> features >> bias >> l.rows_per_sample))
+                throw kfac::error(path + ":" + std::to_string(number) +
+                                  ": expected layer_norm NAME FEATURES SHIFT ROWS_PER_SAMPLE");
+            l.description = kfac::layer_norm_description(features, bias != 0);
         } else {
             throw kfac::error(path + ":" + std::to_string(number) + ": unknown layer kind '" + kind + "'");
         }

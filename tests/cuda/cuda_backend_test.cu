@@ -14,6 +14,7 @@
 #include <kfac/backend/cuda.cuh>
 #include <kfac/kfac.hpp>
 
+#include "cuda/twin_layer.hpp"
 #include "unit/test_util.hpp"
 
 namespace {
@@ -23,24 +24,8 @@ using kfac_test::mat;
 using kfac_test::random_vector;
 using kfac_test::rel_err;
 using index = std::int64_t;
-
-/// A host vector's contents in device memory, freed at scope exit.
-template <class T>
-struct device_copy {
-    T* data = nullptr;
-    explicit device_copy(const std::vector<T>& v) {
-        REQUIRE(cudaMalloc(&data, v.size() * sizeof(T)) == cudaSuccess);
-        REQUIRE(cudaMemcpy(data, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-    }
-    device_copy(const device_copy&) = delete;
-    device_copy& operator=(const device_copy&) = delete;
-    ~device_copy() { cudaFree(data); }
-    std::vector<T> to_host(std::size_t n) const {
-        std::vector<T> h(n);
-        REQUIRE(cudaMemcpy(h.data(), data, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
-        return h;
-    }
-};
+using kfac_test::device_copy;
+using kfac_test::twin_layer;
 
 template <class T>
 mat<T> lower_of(const mat<T>& m) {
@@ -156,32 +141,6 @@ TEMPLATE_TEST_CASE("decompositions, products and gradient transfer match the CPU
     CHECK(gpu::frobenius_dot(gamma, gamma) == Approx(cpu::frobenius_dot(gamma_cpu, gamma_cpu)).epsilon(1e-12));
 }
 
-/// One layer's buffers for both preconditioners: the CPU one reads host copies, the GPU one
-/// host or device views of the same values.
-template <class T>
-struct twin_layer {
-    kfac_test::owned_layer<T> cpu, gpu;
-    std::unique_ptr<device_copy<T>> a_dev, g_dev, w_dev, b_dev;
-
-    void make_device_views() {
-        a_dev = std::make_unique<device_copy<T>>(gpu.input);
-        g_dev = std::make_unique<device_copy<T>>(gpu.grad_output);
-        w_dev = std::make_unique<device_copy<T>>(gpu.grad_weight);
-        gpu.view.input.data = a_dev->data;
-        gpu.view.grad_output.data = g_dev->data;
-        gpu.view.grad_weight.data = w_dev->data;
-        gpu.view.input.space = gpu.view.grad_output.space = gpu.view.grad_weight.space = kfac::memory_space::device;
-        if (gpu.view.description.bias) {
-            b_dev = std::make_unique<device_copy<T>>(gpu.grad_bias);
-            gpu.view.grad_bias.data = b_dev->data;
-            gpu.view.grad_bias.space = kfac::memory_space::device;
-        }
-    }
-    std::vector<T> gpu_weight_gradient() const {
-        return w_dev ? w_dev->to_host(gpu.grad_weight.size()) : gpu.grad_weight;
-    }
-};
-
 TEMPLATE_TEST_CASE("a CUDA preconditioner matches the CPU one step by step", "[cuda]", float, double) {
     using T = TestType;
     // Both run the same formulas; the float tolerance is the golden replay's (γ = 0.01).
@@ -256,19 +215,6 @@ TEST_CASE("a host pointer marked device memory is refused before anything change
     fresh.register_layer("fc1", layer.view);
     fresh.step();
     CHECK(fresh.steps() == 1);
-}
-
-TEST_CASE("normalisation layers are refused by name, before anything is registered", "[cuda][errors][norm]") {
-    // Their unit-wise blocks have no device kernels: the message must say so, not point at
-    // weight sharing `reduce` (a BatchNorm's default), which was checked first.
-    kfac::KFAC<kfac::backend::cuda<float>> precond;
-    kfac::layer_view<float> bn, ln;
-    bn.description = kfac::batch_norm_description(4, true);
-    ln.description = kfac::layer_norm_description(8, false);
-    CHECK_THROWS_WITH(precond.register_layer("bn", bn), Catch::Contains("layer 'bn' (batch_norm 4, shift)") &&
-                                                           Catch::Contains("unit-wise blocks are computed by the CPU"));
-    CHECK_THROWS_WITH(precond.register_layer("ln", ln), Catch::Contains("a layer_norm's unit-wise blocks"));
-    CHECK(precond.layer_count() == 0);
 }
 
 TEST_CASE("a CUDA preconditioner saves and loads the state a CPU one has", "[cuda][checkpoint]") {

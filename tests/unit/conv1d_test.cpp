@@ -156,7 +156,8 @@ TEST_CASE("Conv1d errors name the layer, the shapes and the fix", "[errors][conv
         l.view.grad_weight = kfac::tensor_view<T>(l.grad_weight.data(), {4, 3, 3});
         CHECK_THROWS_WITH(p.step(), Catch::Contains("the convolution's output is [2, 4, 8]"));
         l.output_shape = {2, 4, 8};
-        l.bind();  // a Conv2d-shaped weight gradient [4, 3, 1, 3]
+        l.bind();
+        l.view.grad_weight = kfac::tensor_view<T>(l.grad_weight.data(), {4, 3, 1, 3});  // Conv2d-shaped
         CHECK_THROWS_WITH(p.step(), Catch::Contains("expected [4, 3, 3]"));
         l.view.grad_weight = kfac::tensor_view<T>(l.grad_weight.data(), {4, 3, 3});
         p.step();

@@ -52,22 +52,6 @@ mat<double> exact_fisher(const mat<double>& x, const mat<double>& ds) {
     return f / static_cast<double>(n);
 }
 
-/// An Embedding of `vocabulary` tokens of width `width` over ids [examples, positions]
-/// (id i of the flattened view: (i · step) mod vocabulary), output gradients and weight gradient
-/// from `seed`.
-owned_layer<double> embedding_layer(std::int64_t vocabulary, std::int64_t width, std::int64_t examples,
-                                    std::int64_t positions, std::int64_t step, std::uint32_t seed) {
-    owned_layer<double> l;
-    l.view.description = kfac::embedding_description(vocabulary, width);
-    for (std::int64_t i = 0; i < examples * positions; ++i) l.input.push_back(static_cast<double>((i * step) % vocabulary));
-    l.grad_output = random_vector<double>(static_cast<std::size_t>(examples * positions * width), seed, 0.1);
-    l.grad_weight = random_vector<double>(static_cast<std::size_t>(vocabulary * width), seed + 1);
-    l.input_shape = {examples, positions};
-    l.output_shape = {examples, positions, width};
-    l.bind();
-    return l;
-}
-
 }  // namespace
 
 // For one example per batch the Fisher block is a Kronecker product exactly; for N examples it
@@ -207,7 +191,7 @@ TEST_CASE("per-example statistics of every layer kind scale the reference's by t
         cases.push_back({"linear [2, 5, in]", l, 5.0, 4.0});
     }
     // Embedding, ids [N = 3, T = 4] of a 6-token vocabulary: S = 4
-    cases.push_back({"embedding [3, 4]", embedding_layer(6, 3, 3, 4, 5, 52), 4.0, 9.0});
+    cases.push_back({"embedding [3, 4]", random_embedding<double>(6, 3, 3, 4, 5, 52), 4.0, 9.0});
     {  // Conv2d, N = 2, 4 × 4 output positions: S³ and N²·S²
         auto l = random_conv<double>(2, 2, 3, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 1}, true, 4, 4, 54);
         cases.push_back({"conv2d", l, 16.0 * 16.0 * 16.0, 4.0 * 16.0 * 16.0});
@@ -463,7 +447,7 @@ TEMPLATE_TEST_CASE("factored and relative damping on diagonal and unit-wise bloc
     using M = TestType;
     const double gamma = 0.05;
     SECTION("Embedding, factored") {
-        auto l = embedding_layer(5, 3, 4, 3, 3, 301);
+        auto l = random_embedding<double>(5, 3, 4, 3, 3, 301);
         const std::vector<double> grad = l.grad_weight;
         kfac::options o = per_example_options();
         o.damping = gamma;

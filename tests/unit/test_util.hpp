@@ -106,6 +106,8 @@ struct owned_layer {
             view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.in, d.out});
         else if (kfac::is_normalization(d.kind))
             view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out});
+        else if (d.kind == kfac::layer_kind::conv1d)
+            view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.per_group(d.in), d.conv.kernel[1]});
         else
             view.grad_weight = kfac::tensor_view<T>(grad_weight.data(), {d.out, d.per_group(d.in), d.conv.kernel[0], d.conv.kernel[1]});
         view.grad_bias = d.bias ? kfac::tensor_view<T>(grad_bias.data(), {d.out}) : kfac::tensor_view<T>{};
@@ -157,6 +159,22 @@ owned_layer<T> random_norm(const kfac::layer_description& d, const std::vector<s
     l.grad_weight = random_vector<T>(static_cast<std::size_t>(d.out), seed + 2, 0.1);
     l.grad_bias = random_vector<T>(static_cast<std::size_t>(d.out), seed + 3, 0.1);
     l.input_shape = l.output_shape = shape;
+    l.bind();
+    return l;
+}
+
+/// An Embedding of `vocabulary` rows of `width` over [examples, positions] token ids, id i
+/// being (i·step) mod vocabulary, with seeded output and weight gradients.
+template <class T>
+owned_layer<T> random_embedding(std::int64_t vocabulary, std::int64_t width, std::int64_t examples, std::int64_t positions,
+                                std::int64_t step, std::uint32_t seed) {
+    owned_layer<T> l;
+    l.view.description = kfac::embedding_description(vocabulary, width);
+    for (std::int64_t i = 0; i < examples * positions; ++i) l.input.push_back(static_cast<T>((i * step) % vocabulary));
+    l.grad_output = random_vector<T>(static_cast<std::size_t>(examples * positions * width), seed, 0.1);
+    l.grad_weight = random_vector<T>(static_cast<std::size_t>(vocabulary * width), seed + 1);
+    l.input_shape = {examples, positions};
+    l.output_shape = {examples, positions, width};
     l.bind();
     return l;
 }

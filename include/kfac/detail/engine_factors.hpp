@@ -81,8 +81,10 @@ void engine<Backend, CommPolicy, ComputeMethod>::capture_pass() {
             a[i] = detail::statistic_view(d, l.scratch.activations[i]);
             g[i] = detail::statistic_view(d, l.scratch.output_gradients[i]);
             if (groups > 1) {
-                a[i] = detail::gather_group_channels(a[i], l.host.group, groups, l.scratch.group_channels[2 * i]);
-                g[i] = detail::gather_group_channels(g[i], l.host.group, groups, l.scratch.group_channels[2 * i + 1]);
+                a[i] = detail::gather_group_channels_for<Backend>(a[i], l.host.group, groups,
+                                                                  l.scratch.group_channels[2 * i]);
+                g[i] = detail::gather_group_channels_for<Backend>(g[i], l.host.group, groups,
+                                                                  l.scratch.group_channels[2 * i + 1]);
             }
             rows += detail::statistic_rows(d, a[i]);
             a_elements += static_cast<double>(a[i].size());

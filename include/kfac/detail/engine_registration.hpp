@@ -115,12 +115,6 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_backend_supports(const st
         if (!why.empty()) throw layer_error(who, why);
     }
     block_of(d).check_backend(who, d);
-    // A group's channels are gathered from the host's views in host memory (group_views.hpp).
-    if (d.groups() > 1 && device_backend)
-        throw layer_error(who,
-                          "a grouped convolution's blocks read their channels from host memory, which this "
-                          "device backend does not; use kfac::backend::cpu_eigen, or exclude the layer with "
-                          "options.skip_layers");
 }
 
 template <class Backend, class CommPolicy, class ComputeMethod>

@@ -3,11 +3,13 @@
 /// @file group_views.hpp
 /// The views of one group of a grouped convolution (layer_description::groups() > 1). The
 /// preconditioner keeps one record per group: its statistics read the group's channels, copied
-/// out of the host's [N, C, spatial...] views, and its gradient is the group's rows of the
-/// weight and bias gradients, which are contiguous and read in place.
+/// out of the host's [N, C, spatial...] views (into host memory, or into device memory by a
+/// backend with gather_group_channels), and its gradient is the group's rows of the weight and
+/// bias gradients, which are contiguous and read in place.
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "kfac/layers/tensor_view.hpp"
@@ -47,6 +49,30 @@ template <class T>
     out.data = buffer.data();
     out.extents[1] = per_group;
     return out;
+}
+
+/// Where a backend gathers a group's channels: its `channel_buffer` (a device backend's device
+/// memory), else a host vector.
+template <class Backend, class T>
+struct channel_buffer_of {
+    using type = std::vector<T>;
+};
+template <class Backend, class T>
+    requires requires { typename Backend::channel_buffer; }
+struct channel_buffer_of<Backend, T> {
+    using type = typename Backend::channel_buffer;
+};
+
+/// gather_group_channels by the backend when it has its own (reading host or device views
+/// into device memory), else on the host.
+template <class Backend, class T>
+[[nodiscard]] tensor_view<const T> gather_group_channels_for(const tensor_view<const T>& v, std::int64_t group,
+                                                             std::int64_t groups,
+                                                             typename channel_buffer_of<Backend, T>::type& buffer) {
+    if constexpr (requires { Backend::gather_group_channels(v, group, groups, buffer); })
+        return Backend::gather_group_channels(v, group, groups, buffer);
+    else
+        return gather_group_channels(v, group, groups, buffer);
 }
 
 }  // namespace kfac::detail

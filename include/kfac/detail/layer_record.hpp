@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kfac/assignment/distribution_plan.hpp"
+#include "kfac/detail/group_views.hpp"
 #include "kfac/detail/layer_binding.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/tensor_view.hpp"
@@ -69,7 +70,7 @@ struct layer_scratch {
     matrix gamma, preconditioned;  ///< Γᵀ and Pᵀ (A_dim × G_dim), see Backend::load_gradient
     /// A grouped convolution's block: its channels of each application's activations and
     /// output gradients (group_views.hpp), gathered for the statistics.
-    std::vector<std::vector<scalar>> group_channels;
+    std::vector<typename detail::channel_buffer_of<Backend, scalar>::type> group_channels;
     bool usable = true;            ///< false: this step's gradient is zeroed
     bool active = true;            ///< false: no gradient this step (the host left it alone)
     /// What the host's adapter said in this call's agreed checks, read once there: the layer's

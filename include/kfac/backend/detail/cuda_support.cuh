@@ -10,6 +10,7 @@
 /// what makes device views of a framework's buffers safe to read in place, and it lets
 /// stream-ordered allocation (cudaMallocAsync) keep steady-state steps free of cudaMalloc.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -66,6 +67,52 @@ inline void check(cublasStatus_t s, const char* call) {
 inline void check(cusolverStatus_t s, const char* call) {
     if (s != CUSOLVER_STATUS_SUCCESS) fail(call, status_name(s), static_cast<long>(s));
 }
+
+/// How often the backend made the host wait for the device, and how many copies crossed the
+/// bus each way, since the process started (kfac::backend::cuda<T>::transfers()). Counted at
+/// each call that synchronises (a blocking copy, a reduction whose result the host reads, a
+/// solver's status, cudaStreamSynchronize) and each copy between host and device memory,
+/// whatever its size: a host view read by a statistic counts as one host-to-device copy.
+struct transfer_counts {
+    std::int64_t synchronizations = 0, device_to_host = 0, host_to_device = 0;
+
+    friend transfer_counts operator-(transfer_counts a, const transfer_counts& b) noexcept {
+        a.synchronizations -= b.synchronizations;
+        a.device_to_host -= b.device_to_host;
+        a.host_to_device -= b.host_to_device;
+        return a;
+    }
+};
+
+/// The process's counters (relaxed atomics: the backend queues from one thread per
+/// preconditioner, but several preconditioners may run in several threads).
+struct transfer_ledger {
+    std::atomic<std::int64_t> synchronizations{0}, device_to_host{0}, host_to_device{0};
+
+    static transfer_ledger& process() {
+        static transfer_ledger l;
+        return l;
+    }
+    [[nodiscard]] transfer_counts read() const noexcept {
+        return {synchronizations.load(std::memory_order_relaxed), device_to_host.load(std::memory_order_relaxed),
+                host_to_device.load(std::memory_order_relaxed)};
+    }
+};
+
+inline void note_synchronization() noexcept {
+    transfer_ledger::process().synchronizations.fetch_add(1, std::memory_order_relaxed);
+}
+/// A copy the host waits for (cudaMemcpy and the like): one synchronisation and one copy.
+inline void note_blocking_download() noexcept {
+    note_synchronization();
+    transfer_ledger::process().device_to_host.fetch_add(1, std::memory_order_relaxed);
+}
+inline void note_upload() noexcept { transfer_ledger::process().host_to_device.fetch_add(1, std::memory_order_relaxed); }
+inline void note_blocking_upload() noexcept {
+    note_synchronization();
+    note_upload();
+}
+inline void note_download() noexcept { transfer_ledger::process().device_to_host.fetch_add(1, std::memory_order_relaxed); }
 
 /// The stream every call of the backend uses (see the file comment).
 inline cudaStream_t stream() noexcept { return cudaStreamLegacy; }

@@ -36,28 +36,45 @@ void for_each_index(Policy&& policy, index n, F f) {
     thrust::for_each_n(policy, thrust::counting_iterator<index>(0), n, f);
 }
 
+/// One element of one patch of a [N, C, H, W] input: element e = (c·k_h + u)·k_w + v of the
+/// patch at grid position (i, j) of sample n, 0 where it falls in the padding.
+template <class T>
+struct patch_reader {
+    const T* input;
+    index channels, height, width;
+    index kh, kw, sh, sw, ph, pw, dil_h, dil_w;
+
+    KFAC_HOST_DEVICE T operator()(index n, index i, index j, index e) const {
+        const index c = e / (kh * kw), u = (e / kw) % kh, v = e % kw;
+        const index ih = i * sh + u * dil_h - ph, iw = j * sw + v * dil_w - pw;
+        return ih >= 0 && ih < height && iw >= 0 && iw < width ? input[((n * channels + c) * height + ih) * width + iw]
+                                                               : T(0);
+    }
+};
+
+template <class T>
+patch_reader<T> make_patch_reader(const T* input, index channels, index height, index width, const conv2d_geometry& g,
+                                  const patch_grid& grid) {
+    return {input,       channels,    height,       width,        g.kernel[0], g.kernel[1],
+            g.stride[0], g.stride[1], g.padding[0], g.padding[1], grid.dil_h,  grid.dil_w};
+}
+
 /// Patches of a [N, C, H, W] input as a column-major positions × elements matrix M with
 /// leading dimension ld: M(p, e) for patch position p (flattened over (sample, grid row,
-/// grid column), starting at grid row `first_row`) and element e = (c·k_h + u)·k_w + v; with
+/// grid column), starting at grid row `first_row`) and element e (patch_reader); with
 /// `bias`, element `elements` is 1. Then Mᵀ M is the A statistic's X̃ᵀX̃ (one SYRK).
 template <class T>
 struct patch_matrix {
-    const T* input;
+    patch_reader<T> read;
     T* out;
-    index channels, height, width, ld;
-    index kh, kw, sh, sw, ph, pw, dil_h, dil_w;
-    index grid_rows, grid_cols, first_row, positions, elements;
+    index ld, grid_rows, grid_cols, first_row, positions, elements;
 
     KFAC_HOST_DEVICE void operator()(index t) const {
         const index e = t / positions, p = t % positions;
         T value = T(1);  // the bias's ones column
         if (e < elements) {
-            const index c = e / (kh * kw), u = (e / kw) % kh, v = e % kw;
             const index flat = first_row + p / grid_cols, j = p % grid_cols;
-            const index n = flat / grid_rows, i = flat % grid_rows;
-            const index ih = i * sh + u * dil_h - ph, iw = j * sw + v * dil_w - pw;
-            value = ih >= 0 && ih < height && iw >= 0 && iw < width ? input[((n * channels + c) * height + ih) * width + iw]
-                                                                  : T(0);
+            value = read(flat / grid_rows, flat % grid_rows, j, e);
         }
         out[p + e * ld] = value;
     }
@@ -71,10 +88,8 @@ void extract_patches(Policy&& policy, const T* input, index channels, index heig
                      T* out, index ld) {
     const index elements = channels * g.kernel[0] * g.kernel[1];
     const index positions = row_count * grid.cols;
-    patch_matrix<T> f{input,       out,         channels,    height,     width,     ld,
-                      g.kernel[0], g.kernel[1], g.stride[0], g.stride[1], g.padding[0], g.padding[1],
-                      grid.dil_h,  grid.dil_w,  grid.rows,   grid.cols,  first_row, positions,
-                      elements};
+    patch_matrix<T> f{make_patch_reader(input, channels, height, width, g, grid), out, ld, grid.rows, grid.cols,
+                      first_row, positions, elements};
     for_each_index(policy, positions * (elements + (bias ? 1 : 0)), f);
 }
 

@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: Apache-2.0
+// Every layer kind and weight-sharing mode on backend::cuda against backend::cpu_eigen on the
+// same inputs: Linear and Conv2d under `reduce`, Conv1d, grouped and depthwise convolutions,
+// an Embedding, LayerNorm and BatchNorm (with and without shift, both weight sharings); both
+// compute methods, host and device views, gradient accumulation, eigenbasis reuse, and
+// checkpoints written on one backend and read on the other. Without a CUDA device the program
+// exits 77 (CTest: skipped).
+
+#include <catch2/catch.hpp>
+
+#include "support/catch_session.hpp"
+
+#include <cstdio>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <kfac/backend/cuda.cuh>
+#include <kfac/kfac.hpp>
+
+#include "cuda/twin_layer.hpp"
+#include "unit/layer_kinds.hpp"
+#include "unit/test_util.hpp"
+
+namespace {
+
+using kfac_test::eps;
+using kfac_test::every_kind;
+using kfac_test::mat;
+using kfac_test::owned_layer;
+using kfac_test::random_vector;
+using kfac_test::rel_err;
+using kfac_test::twin_layer;
+using index = std::int64_t;
+
+template <class T>
+std::vector<twin_layer<T>> twins(bool device_views) {
+    std::vector<twin_layer<T>> out;
+    for (auto& [name, l] : every_kind<T>()) {
+        (void)name;
+        twin_layer<T> t;
+        t.cpu = l;
+        t.gpu = l;
+        t.cpu.bind();
+        t.gpu.bind();
+        out.push_back(std::move(t));
+        if (device_views) out.back().make_device_views();
+    }
+    return out;
+}
+
+/// Both backends' storage side by side: the tolerance of the step-by-step comparison. Double:
+/// the golden replay's 1e-10. Float: 10 roundings of the storage amplified by the damped
+/// inverse's condition (1 + γ)/γ at γ = 0.01, as the golden replay's float tolerance.
+template <class T>
+double backend_tolerance() {
+    return std::is_same_v<T, float> ? 10 * eps<T>() * (1 + 0.01) / 0.01 : 1e-10;
+}
+
+template <class T>
+double vector_error(const std::vector<T>& got, const std::vector<T>& expected) {
+    using vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+    if (expected.empty()) return got.empty() ? 0.0 : 1.0;
+    return rel_err(Eigen::Map<const vec>(got.data(), static_cast<index>(got.size())),
+                   Eigen::Map<const vec>(expected.data(), static_cast<index>(expected.size())));
+}
+
+/// Runs both preconditioners over `steps` steps (with accumulate() passes when
+/// options.accumulation_steps > 1) and checks the preconditioned gradients, the kl_clip scale
+/// and every factor after each step.
+template <class T, class Method>
+void compare_every_kind(const kfac::options& o, bool device_views, int steps) {
+    using gpu_backend = kfac::backend::cuda<T>;
+    const double tol = backend_tolerance<T>();
+    kfac::KFAC<kfac::backend::cpu_eigen<T>, kfac::comm::serial, Method> cpu(o);
+    kfac::KFAC<gpu_backend, kfac::comm::serial, Method> gpu(o);
+    auto layers = twins<T>(device_views);
+    const auto names = every_kind<T>();
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+        cpu.register_layer(names[i].first, layers[i].cpu.view);
+        gpu.register_layer(names[i].first, layers[i].gpu.view);
+    }
+    for (int step = 0; step < steps; ++step) {
+        for (std::int64_t pass = 1; pass < o.accumulation_steps; ++pass) {
+            cpu.accumulate();
+            gpu.accumulate();
+        }
+        cpu.step();
+        gpu.step();
+        for (std::size_t i = 0; i < layers.size(); ++i) {
+            INFO("layer " << names[i].first << ", step " << step);
+            CHECK(vector_error(layers[i].gpu_weight_gradient(), layers[i].cpu.grad_weight) < tol);
+            CHECK(vector_error(layers[i].gpu_bias_gradient(), layers[i].cpu.grad_bias) < tol);
+        }
+        CHECK(gpu.last_kl_scale() == Approx(cpu.last_kl_scale()).epsilon(tol));
+        for (const auto& info : cpu.layers()) {
+            INFO("factors of " << info.name << ", step " << step);
+            CHECK(rel_err(gpu_backend::to_host(gpu.a_factor(info.name)), cpu.a_factor(info.name)) < tol);
+            CHECK(rel_err(gpu_backend::to_host(gpu.g_factor(info.name)), cpu.g_factor(info.name)) < tol);
+        }
+        for (std::size_t i = 0; i < layers.size(); ++i) layers[i].refill_gradients(100 + 7 * static_cast<std::uint32_t>(i + 10 * step));
+    }
+}
+
+kfac::options kinds_options() {
+    kfac::options o;
+    o.damping = 0.01;
+    o.kl_clip = 0.001;
+    o.lr = 0.1;
+    o.inv_update_steps = 2;
+    return o;
+}
+
+TEMPLATE_TEST_CASE("every layer kind on the GPU matches the CPU backend step by step", "[cuda][kinds]", float, double) {
+    using T = TestType;
+    for (bool device_views : {false, true}) {
+        DYNAMIC_SECTION((device_views ? "device" : "host") << " views") {
+            compare_every_kind<T, kfac::compute::eigendecomposition>(kinds_options(), device_views, 4);
+            compare_every_kind<T, kfac::compute::inverse>(kinds_options(), device_views, 4);
+        }
+    }
+}
+
+TEST_CASE("every layer kind on the GPU: accumulation, eigenbasis reuse and the curvature modes", "[cuda][kinds]") {
+    using T = double;
+    auto o = kinds_options();
+    o.accumulation_steps = 3;
+    compare_every_kind<T, kfac::compute::eigendecomposition>(o, true, 3);
+    compare_every_kind<T, kfac::compute::inverse>(o, true, 3);
+    o = kinds_options();
+    o.eigenbasis_reuse_tolerance = 0.2;  // every refresh tries the old basis first
+    o.inv_update_steps = 1;
+    compare_every_kind<T, kfac::compute::eigendecomposition>(o, false, 4);
+    o = kinds_options();
+    o.statistics = kfac::statistic_scale::per_example;
+    o.averaging = kfac::factor_averaging::bias_corrected;
+    o.damping_mode = kfac::damping_form::factored;
+    o.relative_damping = true;
+    o.compute_eigenvalue_outer_product = true;
+    compare_every_kind<T, kfac::compute::eigendecomposition>(o, true, 3);
+    compare_every_kind<T, kfac::compute::inverse>(o, true, 3);
+}
+
+TEST_CASE("device token ids that are not ids are refused, and nothing changes", "[cuda][kinds][errors]") {
+    using T = float;
+    auto l = kfac_test::random_embedding<T>(6, 3, 2, 4, 1, 41);
+    l.input[5] = T(6);  // one past the vocabulary
+    twin_layer<T> t;
+    t.gpu = l;
+    t.gpu.bind();
+    t.make_device_views();
+    kfac::KFAC<kfac::backend::cuda<T>> gpu(kinds_options());
+    gpu.register_layer("emb", t.gpu.view);
+    const auto before = t.gpu_weight_gradient();
+    CHECK_THROWS_WITH(gpu.step(), Catch::Contains("emb") && Catch::Contains("1 of the 8 token ids") &&
+                                      Catch::Contains("[0, 6)"));
+    CHECK(gpu.steps() == 0);
+    CHECK(t.gpu_weight_gradient() == before);
+}
+
+TEMPLATE_TEST_CASE("checkpoints of every kind move between the CPU and the GPU", "[cuda][kinds][checkpoint]", float,
+                   double) {
+    using T = TestType;
+    using gpu_backend = kfac::backend::cuda<T>;
+    const auto o = kinds_options();
+    kfac::KFAC<kfac::backend::cpu_eigen<T>> cpu(o);
+    kfac::KFAC<gpu_backend> gpu(o);
+    auto layers = twins<T>(false);
+    const auto names = every_kind<T>();
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+        cpu.register_layer(names[i].first, layers[i].cpu.view);
+        gpu.register_layer(names[i].first, layers[i].gpu.view);
+    }
+    for (int k = 0; k < 3; ++k) {
+        cpu.step();
+        gpu.step();
+        for (std::size_t i = 0; i < layers.size(); ++i) layers[i].refill_gradients(300 + static_cast<std::uint32_t>(10 * k + i));
+    }
+    kfac::KFAC<kfac::backend::cpu_eigen<T>> cpu_from_gpu(o);
+    kfac::KFAC<gpu_backend> gpu_from_cpu(o);
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+        cpu_from_gpu.register_layer(names[i].first, layers[i].cpu.view);
+        gpu_from_cpu.register_layer(names[i].first, layers[i].gpu.view);
+    }
+    cpu_from_gpu.load_bytes(gpu.save_bytes());
+    gpu_from_cpu.load_bytes(cpu.save_bytes());
+    for (const auto& info : cpu.layers()) {
+        INFO(info.name);
+        // The file holds each backend's values exactly: a bitwise round trip either way.
+        CHECK(cpu_from_gpu.a_factor(info.name) == gpu_backend::to_host(gpu.a_factor(info.name)));
+        CHECK(cpu_from_gpu.g_factor(info.name) == gpu_backend::to_host(gpu.g_factor(info.name)));
+        CHECK(gpu_backend::to_host(gpu_from_cpu.a_factor(info.name)) == cpu.a_factor(info.name));
+    }
+    // The next step (no inverse update: 3 % 2 != 0) preconditions with the loaded data.
+    cpu_from_gpu.step();
+    gpu_from_cpu.step();
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+        INFO(names[i].first);
+        CHECK(vector_error(layers[i].gpu.grad_weight, layers[i].cpu.grad_weight) < backend_tolerance<T>());
+    }
+}
+
+TEST_CASE("the transfer ledger counts a non-update step's synchronisations", "[cuda][syncs]") {
+    // Device views, no kl_clip, a step without a factor or inverse update: the step queues its
+    // work and reads nothing back; only the finiteness checks of the preconditioned gradients
+    // wait for the device (one per layer).
+    using T = float;
+    using gpu_backend = kfac::backend::cuda<T>;
+    auto o = kinds_options();
+    o.kl_clip = std::nullopt;
+    o.factor_update_steps = 2;
+    o.inv_update_steps = 2;
+    kfac::KFAC<gpu_backend> gpu(o);
+    auto layers = twins<T>(true);
+    const auto names = every_kind<T>();
+    for (std::size_t i = 0; i < layers.size(); ++i) gpu.register_layer(names[i].first, layers[i].gpu.view);
+    gpu.step();  // factor and inverse update
+    const auto before = gpu_backend::transfers();
+    gpu.step();  // neither
+    const auto cost = gpu_backend::transfers() - before;
+    WARN("non-update step, " << layers.size() << " layers: " << cost.synchronizations << " synchronisations, "
+                             << cost.device_to_host << " downloads, " << cost.host_to_device << " uploads");
+    CHECK(cost.host_to_device == 0);
+    CHECK(cost.device_to_host <= cost.synchronizations);
+    CHECK(cost.synchronizations <= static_cast<std::int64_t>(2 * gpu.layers().size()));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (kfac::backend::cuda_device_count() == 0) {
+        std::printf("SKIPPED: no CUDA device is present (cudaGetDeviceCount reports none); "
+                    "the CUDA backend tests need a GPU\n");
+        return 77;
+    }
+    return kfac_test::run_catch_session(argc, argv);
+}
