@@ -126,7 +126,7 @@ void kfac_steps(const kfac_bench::model& m, const std::string& name, std::int64_
             const auto wo = kfac::conv_output_extent(l.width, d.conv.kernel[1], d.conv.stride[1], d.conv.padding[1], 1);
             v.input = {add(static_cast<std::size_t>(batch * d.in * l.height * l.width), 1.0), {batch, d.in, l.height, l.width}, dev};
             v.grad_output = {add(static_cast<std::size_t>(batch * d.out * ho * wo), 1.0 / batch), {batch, d.out, ho, wo}, dev};
-            v.grad_weight = {add(static_cast<std::size_t>(d.out * d.weight_columns()), 0.01), {d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]}, dev};
+            v.grad_weight = {add(static_cast<std::size_t>(d.out * d.weight_columns()), 0.01), {d.out, d.per_group(d.in), d.conv.kernel[0], d.conv.kernel[1]}, dev};
         } else {
             const auto rows = batch * l.rows_per_sample;
             v.input = {add(static_cast<std::size_t>(rows * d.in), 1.0), {rows, d.in}, dev};

@@ -72,7 +72,7 @@ std::vector<layer_buffers> make_buffers(const kfac_bench::model& m, std::int64_t
         b.grad_weight = b.saved_weight;
         b.grad_bias = b.saved_bias;
         if (d.kind == kfac::layer_kind::conv2d)
-            b.view.grad_weight = kfac::tensor_view<float>(b.grad_weight.data(), {d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]});
+            b.view.grad_weight = kfac::tensor_view<float>(b.grad_weight.data(), {d.out, d.per_group(d.in), d.conv.kernel[0], d.conv.kernel[1]});
         else
             b.view.grad_weight = kfac::tensor_view<float>(b.grad_weight.data(), {d.out, d.in});
         b.view.grad_bias = d.bias ? kfac::tensor_view<float>(b.grad_bias.data(), {d.out}) : kfac::tensor_view<float>{};

@@ -163,7 +163,7 @@ index weight_size(const kfac::layer_description& d) { return d.out * d.weight_co
 
 std::vector<index> weight_shape(const kfac::layer_description& d) {
     if (d.kind == kfac::layer_kind::linear) return {d.out, d.in};
-    return {d.out, d.in, d.conv.kernel[0], d.conv.kernel[1]};
+    return {d.out, d.per_group(d.in), d.conv.kernel[0], d.conv.kernel[1]};
 }
 
 // ---- data ----------------------------------------------------------------------------------

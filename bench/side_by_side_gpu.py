@@ -30,6 +30,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -91,6 +92,16 @@ def import_kfac(path: str):
     return kfac
 
 
+def kfac_pytorch_version(path: str) -> str:
+    """The commit and tag a copy's README states ("<40 hex> (v0.4.2-153)"), else 'source tree'."""
+    readme = os.path.join(path, 'README.md')
+    if os.path.exists(readme):
+        found = re.search(r'\b([0-9a-f]{40})\b\s*\(([^)]+)\)', open(readme).read())
+        if found:
+            return f'{found.group(2)} ({found.group(1)[:10]})'
+    return 'source tree'
+
+
 def main() -> int:
     args = parse_args()
     import torch
@@ -133,9 +144,8 @@ def main() -> int:
 
     git = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    context = dict(date=datetime.date.today().isoformat(), card=torch.cuda.get_device_name(0) if on_gpu else 'CPU', torch=torch.__version__,
-                   cuda=torch.version.cuda, kfac_pytorch=open(os.path.join(args.kfac_pytorch, 'README.md')).readline().strip()
-                   if os.path.exists(os.path.join(args.kfac_pytorch, 'README.md')) else 'source tree',
+    context = dict(date=datetime.date.today().isoformat(), card=torch.cuda.get_device_name(0) if on_gpu else 'CPU',
+                   torch=torch.__version__, cuda=torch.version.cuda, kfac_pytorch=kfac_pytorch_version(args.kfac_pytorch),
                    kfac=git.stdout.strip() or 'unknown')
     rows = []
     for path in args.model:

@@ -55,6 +55,7 @@
 
 #include "cli.hpp"
 #include "fashion_mnist_dataset.hpp"
+#include "kfac_handle.hpp"
 #include "models.hpp"
 #include "progress_bar.hpp"
 #include "run_plot.hpp"
@@ -68,11 +69,17 @@ namespace F = torch::nn::functional;
 constexpr int exit_skip = 77;  // the data set is missing (CTest's SKIP_RETURN_CODE)
 
 #ifdef KFAC_EXAMPLE_MPI
-using preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::mpi>;
+using cpu_preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::mpi>;
 constexpr const char* program = "kfac_fashion_mnist_mpi";
 #else
-using preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>>;
+using cpu_preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>>;
 constexpr const char* program = "kfac_fashion_mnist";
+#endif
+/// Whether this build can precondition on a GPU (kfac_handle_cuda.cu compiled by nvcc).
+#ifdef KFAC_EXAMPLE_CUDA
+constexpr bool built_with_cuda = true;
+#else
+constexpr bool built_with_cuda = false;
 #endif
 
 // ---------------------------------------------------------------------------------------
@@ -148,6 +155,7 @@ struct settings {
     std::optional<double> expect_accuracy;
     std::string strategy = "comm_opt";
     bool reference = false;  // --reference: kfac-pytorch's K-FAC, named kfac_reference
+    std::string device = "cpu";  // --device cuda: LibTorch on the GPU, K-FAC on backend::cuda
 };
 
 /// The tuned defaults of each model (README.md, "How the defaults were tuned"): each
@@ -193,6 +201,8 @@ void usage() {
         "  --optimizer sgd|kfac|both   (default both)\n"
         "  --seed N               initial weights and batch order (default 1)\n"
         "  --threads N            LibTorch's and kfac's threads, 0 for every core (default 0)\n"
+        "  --device cpu|cuda      where the model trains; cuda: on the GPU with K-FAC on backend::cuda\n"
+        "                         (needs a LibTorch built with CUDA and this program built with nvcc)\n"
         "  --batch N              minibatch size (default 128)\n"
         "  --lr X, --momentum X, --weight-decay X             SGD's (defaults: the model's)\n"
         "  --kfac-lr X, --kfac-momentum X, --kfac-weight-decay X   the same with K-FAC\n"
@@ -235,6 +245,8 @@ settings read_settings(int argc, char** argv, bool& help) {
         throw cli_error("--optimizer must be sgd, kfac or both, not '" + s.optimizers + "'");
     s.seed = static_cast<std::uint32_t>(args.integer("seed", s.seed));
     s.threads = static_cast<int>(args.integer("threads", s.threads));
+    s.device = args.text("device", s.device);
+    if (s.device != "cpu" && s.device != "cuda") throw cli_error("--device must be cpu or cuda, not '" + s.device + "'");
     s.batch = static_cast<int>(args.integer("batch", s.batch));
     for (auto [prefix, o] : {std::pair{std::string(""), &s.sgd}, std::pair{std::string("kfac-"), &s.kfac}}) {
         o->lr = args.number(prefix + "lr", o->lr);
@@ -347,6 +359,17 @@ double parse_number(const std::string& word, const std::string& where) {
     return v;
 }
 
+/// K-FAC on backend::cuda (kfac_handle_cuda.cu), in a build with nvcc; main_body() refuses
+/// --device cuda in one without (and in the MPI program).
+[[maybe_unused]] std::unique_ptr<kfac_handle> make_gpu_kfac(const kfac::options& opts) {
+#ifdef KFAC_EXAMPLE_CUDA
+    return make_cuda_kfac(opts);
+#else
+    (void)opts;
+    throw std::logic_error("--device cuda in a build without nvcc");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------
 // One optimizer's run.
 
@@ -361,6 +384,7 @@ public:
         : name_(std::move(name)), settings_(s), o_(o), procs_(procs) {
         torch::manual_seed(s.seed);  // the same initial weights for every optimizer and rank
         model_ = fashion::make_classifier(s.model);
+        if (s.device == "cuda") model_.module->to(torch::kCUDA);  // the CPU's initial weights, on the GPU
         optimizer_ = std::make_unique<torch::optim::SGD>(
             model_.module->parameters(),
             torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
@@ -405,9 +429,9 @@ public:
         else if (settings_.strategy == "hybrid_opt") opts.grad_worker_fraction = kfac::hybrid_opt;
         else if (settings_.strategy == "mem_opt") opts.grad_worker_fraction = kfac::mem_opt;
         else opts.strategy = kfac::distribution::dp_kfac;
-        precond_ = std::make_unique<preconditioner>(opts, kfac::comm::mpi());
+        precond_ = std::make_unique<held_kfac<cpu_preconditioner>>("cpu_eigen<float>", opts, kfac::comm::mpi());
 #else
-        precond_ = std::make_unique<preconditioner>(opts);
+        precond_ = settings_.device == "cuda" ? make_gpu_kfac(opts) : make_cpu_kfac(opts);
 #endif
         // kfac's layer tasks run on opts.threads threads with one BLAS thread each. A BLAS call
         // on several threads would leave OpenBLAS's workers spinning after the step, taking
@@ -416,6 +440,8 @@ public:
         tracker_ = std::make_unique<kfac::torch::tracker<float>>();
         const auto report = kfac::torch::register_modules(*precond_, *tracker_, model_.module);
         if (procs_.leader()) std::printf("%s: %s\n", name_.c_str(), report.summary().c_str());
+        if (procs_.leader() && settings_.device == "cuda")
+            std::printf("%s: preconditioned on the GPU (kfac::backend::%s)\n", name_.c_str(), precond_->backend_name().c_str());
         precond_->on_non_finite([](const kfac::non_finite_event& e) {
             std::fprintf(stderr, "kfac: non-finite values in layer %s at step %lld (contained)\n", e.layer.c_str(),
                          static_cast<long long>(e.step));
@@ -441,7 +467,8 @@ public:
             // This rank's slice of the minibatch (all of it in one process).
             const std::int64_t lo = first + count * procs_.rank / procs_.size;
             const std::int64_t hi = first + count * (procs_.rank + 1) / procs_.size;
-            const auto index = torch::from_blob(const_cast<std::int64_t*>(order.data() + lo), {hi - lo}, torch::kLong);
+            const auto index = torch::from_blob(const_cast<std::int64_t*>(order.data() + lo), {hi - lo}, torch::kLong)
+                                   .to(train.images.device());
             const auto x = train.images.index_select(0, index), y = train.labels.index_select(0, index);
             set_lr(cosine_lr(o_.lr, step_, steps_total));
             optimizer_->zero_grad();
@@ -544,7 +571,7 @@ public:
     [[nodiscard]] double seconds() const { return seconds_; }
     [[nodiscard]] std::int64_t step() const { return step_; }
     [[nodiscard]] double lr_now(std::int64_t steps_total) const { return cosine_lr(o_.lr, step_, steps_total); }
-    [[nodiscard]] const preconditioner* precond() const { return precond_.get(); }
+    [[nodiscard]] const kfac_handle* precond() const { return precond_.get(); }
     /// Training time at which the test accuracy first reached `target`, and the epoch.
     [[nodiscard]] std::optional<std::pair<int, double>> first_reaching(double target) const {
         for (const auto& r : rows_)
@@ -595,9 +622,9 @@ private:
     const processes& procs_;
     fashion::classifier model_;
     std::unique_ptr<torch::optim::SGD> optimizer_;
-    std::optional<preconditioner::backend_type::serial_blas_scope> one_blas_thread_;
+    std::optional<cpu_preconditioner::backend_type::serial_blas_scope> one_blas_thread_;
     std::unique_ptr<kfac::torch::tracker<float>> tracker_;  // before precond_: destroyed after it
-    std::unique_ptr<preconditioner> precond_;
+    std::unique_ptr<kfac_handle> precond_;
     std::int64_t step_ = 0;
     double seconds_ = 0.0;
     std::vector<epoch_row> rows_;
@@ -653,6 +680,19 @@ int main_body(int argc, char** argv) {
         if (procs.leader()) std::fprintf(stderr, "%s: %s\n", program, e.what());
         return 2;
     }
+    if (s.device == "cuda") {
+        const char* why = nullptr;
+        if (!built_with_cuda || procs.size > 1)
+            why = "was built without nvcc or runs in several processes: --device cuda needs the CUDA toolkit at "
+                  "configure time (kfac::cuda) and one process";
+        else if (!torch::cuda::is_available())
+            why = "sees no CUDA device through LibTorch (Debian's LibTorch is CPU-only): build against a LibTorch "
+                  "with CUDA, as README.md's 'LibTorch on a GPU' says, on a machine with a GPU";
+        if (why) {
+            if (procs.leader()) std::fprintf(stderr, "%s: --device cuda: this program %s\n", program, why);
+            return 2;
+        }
+    }
     const int threads = s.threads > 0 ? s.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     one_thread_in_torch_blas();
     torch::set_num_threads(std::max(1, threads / procs.size));
@@ -665,7 +705,9 @@ int main_body(int argc, char** argv) {
         if (procs.leader()) std::fprintf(stderr, "%s: %s\n", program, e.what());
         return exit_skip;
     }
-    const data d = prepare(raw, s.train_limit, s.test_limit);
+    data d = prepare(raw, s.train_limit, s.test_limit);
+    if (s.device == "cuda")  // the whole data set on the GPU, once (60,000 images: 188 MB)
+        for (auto* t : {&d.train, &d.test}) *t = {t->images.to(torch::kCUDA), t->labels.to(torch::kCUDA)};
     const auto n_train = static_cast<std::size_t>(d.train.labels.size(0));
     const std::int64_t steps_per_epoch = (static_cast<std::int64_t>(n_train) + s.batch - 1) / s.batch;
     const std::int64_t steps_total = steps_per_epoch * s.epochs;

@@ -27,6 +27,7 @@
 #include <kfac/layers/torch.hpp>
 
 #include "cli.hpp"
+#include "kfac_handle.hpp"
 
 namespace {
 
@@ -52,6 +53,7 @@ struct settings {
     int threads = 1;
     std::vector<std::string> skip;  // options.skip_layers
     std::optional<double> expect_accuracy;
+    std::string device = "cpu";  // cuda: both runs on the GPU, K-FAC on backend::cuda
 };
 
 /// Multi-head self-attention with four nn::Linear projections.
@@ -115,7 +117,7 @@ struct transformer_impl : nn::Module {
     }
 
     torch::Tensor forward(const torch::Tensor& ids) {  // [N, T] → [N, T, V]
-        auto x = tokens(ids) + positions(torch::arange(ids.size(1), torch::kLong));
+        auto x = tokens(ids) + positions(torch::arange(ids.size(1), torch::TensorOptions(torch::kLong).device(ids.device())));
         for (auto& b : blocks) x = b(x);
         return head(norm(x));
     }
@@ -128,7 +130,7 @@ struct sequences {
 };
 
 sequences make_sequences(std::int64_t count, const settings& s, torch::Generator& gen) {
-    const auto x = torch::randint(0, s.vocabulary, {count, s.length}, gen, torch::kLong);
+    const auto x = torch::randint(0, s.vocabulary, {count, s.length}, gen, torch::kLong).to(torch::Device(s.device));
     return {x, x.flip({1})};
 }
 
@@ -151,7 +153,8 @@ double cosine_lr(double lr0, std::int64_t k, std::int64_t steps) {
 
 /// s.steps steps on fresh batches drawn from a generator seeded with s.seed (the same batches
 /// for both runs); with `precond`, the gradients are preconditioned before the optimizer's step.
-std::vector<report_row> train(transformer& model, const sequences& test, const settings& s, kfac::KFAC<>* precond) {
+std::vector<report_row> train(transformer& model, const sequences& test, const settings& s,
+                              kfac_examples::kfac_handle* precond) {
     const double lr0 = precond ? s.kfac_lr : s.lr;
     torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(lr0).momentum(s.momentum));
     auto gen = torch::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
@@ -203,6 +206,8 @@ void usage() {
         "  --kl-clip X            K-FAC kl_clip (default 0.001)\n"
         "  --inv-update-steps N   steps between eigendecompositions (default 10)\n"
         "  --threads N            LibTorch and K-FAC threads (default 1)\n"
+        "  --device cpu|cuda      where both runs train; cuda: K-FAC on backend::cuda (a LibTorch with\n"
+        "                         CUDA and a build with nvcc)\n"
         "  --skip REGEX           leave the layers it matches to plain SGD (names such as\n"
         "                         block0.attention.query, kinds such as LayerNorm or Embedding)\n"
         "  --seed N               initial weights and batches (default 1)\n"
@@ -237,6 +242,9 @@ int main(int argc, char** argv) {
         s.threads = static_cast<int>(args.integer("threads", s.threads));
         s.seed = static_cast<std::uint64_t>(args.integer("seed", static_cast<long>(s.seed)));
         if (auto skip = args.text("skip")) s.skip = {*skip};
+        s.device = args.text("device", s.device);
+        if (s.device != "cpu" && s.device != "cuda")
+            throw kfac_examples::cli_error("--device must be cpu or cuda, not '" + s.device + "'");
         if (args.text("expect-accuracy")) s.expect_accuracy = args.number("expect-accuracy", 0.0);
         args.finish();
         if (s.steps < 1 || s.batch < 1 || s.report_every < 1 || s.vocabulary < 2 || s.length < 1 || s.blocks < 0 ||
@@ -248,6 +256,17 @@ int main(int argc, char** argv) {
         return 2;
     }
 
+#ifndef KFAC_EXAMPLE_CUDA
+    if (s.device == "cuda") {
+        std::fprintf(stderr, "kfac_torch_transformer: --device cuda: this program was built without nvcc (kfac::cuda)\n");
+        return 2;
+    }
+#endif
+    if (s.device == "cuda" && !torch::cuda::is_available()) {
+        std::fprintf(stderr, "kfac_torch_transformer: --device cuda: LibTorch sees no CUDA device (Debian's LibTorch is "
+                             "CPU-only; build against a LibTorch with CUDA, README.md 'LibTorch on a GPU')\n");
+        return 2;
+    }
     try {
         torch::set_num_threads(s.threads);
         auto test_gen = torch::make_generator<at::CPUGeneratorImpl>(s.seed + 1000);
@@ -256,6 +275,8 @@ int main(int argc, char** argv) {
         transformer sgd_model(s);
         torch::manual_seed(static_cast<std::uint64_t>(s.seed));
         transformer kfac_model(s);
+        sgd_model->to(torch::Device(s.device));
+        kfac_model->to(torch::Device(s.device));
 
         std::printf("Reversing sequences of %lld tokens over a vocabulary of %lld: %lld encoder blocks of width %lld, "
                     "%lld heads; batch %d, %d steps, seed %llu\n",
@@ -281,14 +302,18 @@ int main(int argc, char** argv) {
             // Created only now: while a tracker lives, every operator on this thread passes
             // through its observer, and the SGD run above should not pay for that.
             kfac::torch::tracker<float> tracker;
-            kfac::KFAC<> precond(opts);
+#ifdef KFAC_EXAMPLE_CUDA
+            auto precond = s.device == "cuda" ? kfac_examples::make_cuda_kfac(opts) : kfac_examples::make_cpu_kfac(opts);
+#else
+            auto precond = kfac_examples::make_cpu_kfac(opts);
+#endif
             // kfac's layer tasks run with one BLAS thread each; a BLAS call on several threads
             // would leave OpenBLAS's workers spinning against LibTorch's (a step took 7.6x SGD's
             // instead of 2x on 2 cores).
             const kfac::KFAC<>::backend_type::serial_blas_scope one_blas_thread;
-            const auto registered = kfac::torch::register_modules(precond, tracker, kfac_model);
-            std::printf("%s\n\n", registered.summary().c_str());
-            kfac_run = train(kfac_model, test, s, &precond);
+            const auto registered = kfac::torch::register_modules(*precond, tracker, kfac_model);
+            std::printf("%s (on kfac::backend::%s)\n\n", registered.summary().c_str(), precond->backend_name().c_str());
+            kfac_run = train(kfac_model, test, s, precond.get());
         }
 
         std::printf(" step |              SGD                      |           SGD + K-FAC\n");

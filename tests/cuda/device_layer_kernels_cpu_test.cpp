@@ -245,4 +245,42 @@ TEST_CASE("Rayleigh quotients and the residual equal the CPU backend's", "[cuda]
     CHECK(std::abs(residual - residual_cpu) <= 1e-13);
 }
 
+
+TEST_CASE("batched gradient checks: per-pair non-finite counts and dots in chunks", "[cuda][kernels]") {
+    using T = float;
+    using cpu = kfac::backend::cpu_eigen<T>;
+    // Three pairs of 7, 1 and 20 elements, cut into chunks of 3 (the backend cuts at 2¹⁴).
+    const std::vector<index> sizes = {7, 1, 20};
+    std::vector<std::vector<T>> x, y;
+    for (std::size_t p = 0; p < sizes.size(); ++p) {
+        x.push_back(random_vector<T>(static_cast<std::size_t>(sizes[p]), 61 + static_cast<std::uint32_t>(p)));
+        y.push_back(random_vector<T>(static_cast<std::size_t>(sizes[p]), 71 + static_cast<std::uint32_t>(p)));
+    }
+    x[2][13] = std::numeric_limits<T>::infinity();
+    y[2][4] = std::numeric_limits<T>::quiet_NaN();
+    std::vector<const T*> xs, ys;
+    std::vector<index> begin = {0};
+    std::vector<kernels::check_chunk> chunks;
+    for (std::size_t p = 0; p < sizes.size(); ++p) {
+        xs.push_back(x[p].data());
+        ys.push_back(y[p].data());
+        for (index first = 0; first < sizes[p]; first += 3)
+            chunks.push_back({static_cast<index>(p), first, std::min<index>(3, sizes[p] - first)});
+        begin.push_back(static_cast<index>(chunks.size()));
+    }
+    std::vector<double> chunk_dot(chunks.size()), dots(sizes.size());
+    std::vector<std::int64_t> chunk_bad(chunks.size()), bad(sizes.size());
+    kernels::chunk_checks(thrust::cpp::par, xs.data(), ys.data(), chunks.data(), static_cast<index>(chunks.size()),
+                          chunk_dot.data(), chunk_bad.data());
+    kernels::pair_totals(thrust::cpp::par, begin.data(), static_cast<index>(sizes.size()), chunk_dot.data(),
+                         chunk_bad.data(), dots.data(), bad.data());
+    CHECK(bad == std::vector<std::int64_t>{0, 0, 2});
+    for (std::size_t p = 0; p < 2; ++p) {
+        const auto size = static_cast<index>(sizes[p]);
+        const double expected = cpu::frobenius_dot(mat<T>::Map(x[p].data(), size, 1), mat<T>::Map(y[p].data(), size, 1));
+        // Products exact in double; the sums of ≤ 20 terms in another association: 20 ε_double.
+        CHECK(std::abs(dots[p] - expected) <= 20 * 2.2e-16 * (std::abs(expected) + 1));
+    }
+}
+
 }  // namespace

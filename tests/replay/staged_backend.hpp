@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <kfac/backend/cpu_eigen.hpp>
@@ -44,6 +46,23 @@ struct staged_backend : kfac::backend::cpu_eigen<Scalar> {
     static void upload(const Scalar* host, Scalar* device, std::size_t count) {
         std::copy(host, host + count, device);
         staged_bytes() += count * sizeof(Scalar);
+    }
+
+    /// A device backend's batched gradient checks (kfac/backend/gradient_checks.hpp), so the
+    /// preconditioner's batched path runs here as it does for backend::cuda: each pair's
+    /// non-finite entries, and its dot product as the CPU backend's frobenius_dot computes it
+    /// (so kl_clip is the same, bitwise).
+    using matrix = typename kfac::backend::cpu_eigen<Scalar>::matrix;
+    static void gradient_checks(const std::vector<const matrix*>& gammas, const std::vector<const matrix*>& ps,
+                                std::vector<std::int64_t>& non_finite, std::vector<double>& dots) {
+        non_finite.assign(gammas.size(), 0);
+        dots.assign(gammas.size(), 0.0);
+        for (std::size_t i = 0; i < gammas.size(); ++i) {
+            for (const auto* m : {gammas[i], ps[i]})
+                non_finite[i] += static_cast<std::int64_t>(std::count_if(m->data(), m->data() + m->size(),
+                                                                         [](Scalar x) { return !std::isfinite(x); }));
+            dots[i] = kfac::backend::cpu_eigen<Scalar>::frobenius_dot(*ps[i], *gammas[i]);
+        }
     }
 };
 

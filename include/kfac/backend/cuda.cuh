@@ -31,10 +31,12 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -44,6 +46,7 @@
 #include "kfac/backend/detail/cuda_storage.cuh"
 #include "kfac/backend/detail/cuda_support.cuh"
 #include "kfac/backend/detail/device_kernels.cuh"
+#include "kfac/backend/detail/device_layer_kernels.cuh"
 #include "kfac/config.hpp"
 #include "kfac/layers/im2col.hpp"
 #include "kfac/layers/layer_description.hpp"
@@ -254,6 +257,69 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
             cuda_detail::note_blocking_download();
             s = kernels::frobenius_dot(calls::sync_policy(), x.data(), y.data(), x.size()); });
         return s;
+    }
+
+    /// Every layer's gradient checks with one synchronisation (kfac/backend/gradient_checks.hpp):
+    /// the pairs cut into chunks of 2¹⁴ elements, one thread per chunk summing in order, then
+    /// one per pair summing its chunks in order (so the result does not depend on the launch),
+    /// the tables uploaded in one copy and the results read in one.
+    static void gradient_checks(const std::vector<const matrix*>& gammas, const std::vector<const matrix*>& ps,
+                                std::vector<std::int64_t>& non_finite, std::vector<double>& dots) {
+        const auto pairs = static_cast<index>(gammas.size());
+        non_finite.assign(gammas.size(), 0);
+        dots.assign(gammas.size(), 0.0);
+        if (pairs == 0) return;
+        constexpr index chunk = index{1} << 14;
+        std::vector<const Scalar*> xs(gammas.size()), ys(gammas.size());
+        std::vector<index> begin(gammas.size() + 1, 0);
+        std::vector<kernels::check_chunk> chunks;
+        for (index p = 0; p < pairs; ++p) {
+            const auto& gamma = *gammas[static_cast<std::size_t>(p)];
+            const auto& pre = *ps[static_cast<std::size_t>(p)];
+            if (gamma.size() != pre.size()) throw error("gradient_checks: a gradient and its preconditioned one differ in size");
+            xs[static_cast<std::size_t>(p)] = pre.data();
+            ys[static_cast<std::size_t>(p)] = gamma.data();
+            for (index first = 0; first < gamma.size(); first += chunk)
+                chunks.push_back({p, first, std::min(chunk, gamma.size() - first)});
+            begin[static_cast<std::size_t>(p) + 1] = static_cast<index>(chunks.size());
+        }
+        const auto n_chunks = static_cast<index>(chunks.size());
+        // One upload: [xs | ys | begin | chunks], every piece 8-byte aligned.
+        const std::size_t pointer_bytes = xs.size() * sizeof(const Scalar*), begin_bytes = begin.size() * sizeof(index);
+        const std::size_t chunk_bytes = chunks.size() * sizeof(kernels::check_chunk);
+        std::vector<unsigned char> table(2 * pointer_bytes + begin_bytes + chunk_bytes);
+        std::memcpy(table.data(), xs.data(), pointer_bytes);
+        std::memcpy(table.data() + pointer_bytes, ys.data(), pointer_bytes);
+        std::memcpy(table.data() + 2 * pointer_bytes, begin.data(), begin_bytes);
+        if (chunk_bytes > 0) std::memcpy(table.data() + 2 * pointer_bytes + begin_bytes, chunks.data(), chunk_bytes);
+        thread_local cuda_detail::device_buffer<unsigned char> device_table;
+        thread_local cuda_detail::device_buffer<double> results;  // chunk dots, chunk counts, pair dots, pair counts
+        device_table.reserve(table.size());
+        results.reserve(static_cast<std::size_t>(2 * (n_chunks + pairs)));
+        cuda_detail::note_upload();
+        cuda_detail::check(cudaMemcpyAsync(device_table.data(), table.data(), table.size(), cudaMemcpyHostToDevice,
+                                           cuda_detail::stream()),
+                           "cudaMemcpyAsync(gradient check tables)");
+        const auto* d_xs = reinterpret_cast<const Scalar* const*>(device_table.data());
+        const auto* d_ys = reinterpret_cast<const Scalar* const*>(device_table.data() + pointer_bytes);
+        const auto* d_begin = reinterpret_cast<const index*>(device_table.data() + 2 * pointer_bytes);
+        const auto* d_chunks = reinterpret_cast<const kernels::check_chunk*>(device_table.data() + 2 * pointer_bytes + begin_bytes);
+        double* chunk_dot = results.data();
+        auto* chunk_bad = reinterpret_cast<std::int64_t*>(results.data() + n_chunks);
+        double* pair_dot = results.data() + 2 * n_chunks;
+        auto* pair_bad = reinterpret_cast<std::int64_t*>(results.data() + 2 * n_chunks + pairs);
+        calls::launch("chunk_checks", [&] {
+            kernels::chunk_checks(calls::policy(), d_xs, d_ys, d_chunks, n_chunks, chunk_dot, chunk_bad);
+        });
+        calls::launch("pair_totals", [&] {
+            kernels::pair_totals(calls::policy(), d_begin, pairs, chunk_dot, chunk_bad, pair_dot, pair_bad);
+        });
+        std::vector<double> host(static_cast<std::size_t>(2 * pairs));
+        cuda_detail::note_blocking_download();
+        cuda_detail::check(cudaMemcpy(host.data(), pair_dot, host.size() * sizeof(double), cudaMemcpyDeviceToHost),
+                           "cudaMemcpy(gradient checks)");
+        std::copy(host.begin(), host.begin() + pairs, dots.begin());
+        std::memcpy(non_finite.data(), host.data() + pairs, static_cast<std::size_t>(pairs) * sizeof(std::int64_t));
     }
 
     // --- gradients -----------------------------------------------------------------------

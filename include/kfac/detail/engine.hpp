@@ -54,6 +54,7 @@
 
 #include "kfac/assignment/distribution_plan.hpp"
 #include "kfac/assignment/placement_costs.hpp"
+#include "kfac/backend/gradient_checks.hpp"
 #include "kfac/blocks/kinds.hpp"
 #include "kfac/checkpoint/format.hpp"
 #include "kfac/checkpoint/state_dict.hpp"
@@ -285,6 +286,7 @@ private:
     }
 
     static constexpr bool device_backend = device_resident<Backend>;
+    static constexpr bool batched_gradient_checks = backend_with_gradient_checks<Backend>;
     static constexpr device_memory_probe device_probe = [] {
         if constexpr (requires(const void* p) { Backend::points_to_device_memory(p); })
             return &Backend::points_to_device_memory;
@@ -303,6 +305,8 @@ private:
     bool applied_in_step_ = false;  // some layer was applied in a pass accumulate() folded in
     bool started_ = false;
     double last_kl_scale_ = 1.0;
+    /// ⟨P, Γ⟩ per layer from the last batched gradient checks (backend_with_gradient_checks).
+    std::vector<double> gradient_dots_;
     double second_order_damping_ = 0.0;  // of the last inverse update (checkpoints record it)
     health_counters health_{};
     eigenbasis_count bases_{};

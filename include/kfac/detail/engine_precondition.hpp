@@ -16,7 +16,10 @@ namespace kfac::detail {
 
 /// Pᵀ of every layer into l.scratch.preconditioned (shared from the gradient workers), then the
 /// verdict per layer: a layer whose Γ or P is not finite on any rank is zeroed on every
-/// rank, so ranks never drift apart (a host that forgot to average its gradients, say).
+/// rank, so ranks never drift apart (a host that forgot to average its gradients, say). A
+/// backend with gradient_checks (kfac/backend/gradient_checks.hpp) answers every layer's
+/// verdict and kl_clip's ⟨P, Γ⟩ in one call; it preconditions a non-finite Γ like any other,
+/// whose P the verdict then catches with it (the same layers are zeroed either way).
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_plan& plan, step_outcome& outcome) {
     const double damping = plan.damping;
@@ -29,7 +32,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
                                  if (!l.role.grad_worker)
                                      l.scratch.preconditioned.resize(l.host.description.a_dim(),
                                                                      l.host.description.g_dim());
-                                 else if (!Backend::all_finite(l.scratch.gamma))
+                                 else if (!batched_gradient_checks && !Backend::all_finite(l.scratch.gamma))
                                      l.scratch.preconditioned =
                                          Backend::zeros(l.host.description.a_dim(), l.host.description.g_dim());
                                  else if (l.state.has_second)
@@ -50,9 +53,28 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
     comm_.wait();
     staging_.complete();
     std::vector<std::int64_t> unusable(layers_.size());
-    for (std::size_t i = 0; i < layers_.size(); ++i)
-        unusable[i] = layers_[i].scratch.active && !(Backend::all_finite(layers_[i].scratch.gamma) &&
-                                                     Backend::all_finite(layers_[i].scratch.preconditioned));
+    if constexpr (batched_gradient_checks) {
+        std::vector<const matrix*> gammas, preconditioned;
+        std::vector<std::size_t> which;
+        for (std::size_t i = 0; i < layers_.size(); ++i)
+            if (layers_[i].scratch.active) {
+                gammas.push_back(&layers_[i].scratch.gamma);
+                preconditioned.push_back(&layers_[i].scratch.preconditioned);
+                which.push_back(i);
+            }
+        std::vector<std::int64_t> non_finite;
+        std::vector<double> dots;
+        Backend::gradient_checks(gammas, preconditioned, non_finite, dots);
+        gradient_dots_.assign(layers_.size(), 0.0);
+        for (std::size_t k = 0; k < which.size(); ++k) {
+            unusable[which[k]] = non_finite[k] > 0 ? 1 : 0;
+            gradient_dots_[which[k]] = dots[k];
+        }
+    } else {
+        for (std::size_t i = 0; i < layers_.size(); ++i)
+            unusable[i] = layers_[i].scratch.active && !(Backend::all_finite(layers_[i].scratch.gamma) &&
+                                                         Backend::all_finite(layers_[i].scratch.preconditioned));
+    }
     comm_.allreduce_max(unusable);
     for (std::size_t i = 0; i < layers_.size(); ++i) {
         auto& l = layers_[i];
@@ -68,9 +90,12 @@ template <class Backend, class CommPolicy, class ComputeMethod>
 double engine<Backend, CommPolicy, ComputeMethod>::kl_clip_scale(const step_plan& plan) const {
     if (!plan.kl_clip) return 1.0;
     double vg_sum = 0.0;
-    for (const auto& l : layers_)
-        if (l.scratch.active && l.scratch.usable)
-            vg_sum += Backend::frobenius_dot(l.scratch.preconditioned, l.scratch.gamma);
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+        const auto& l = layers_[i];
+        if (!l.scratch.active || !l.scratch.usable) continue;
+        if constexpr (batched_gradient_checks) vg_sum += gradient_dots_[i];  // from precondition_all's checks
+        else vg_sum += Backend::frobenius_dot(l.scratch.preconditioned, l.scratch.gamma);
+    }
     vg_sum *= plan.lr * plan.lr;
     return vg_sum == 0.0 ? 1.0 : std::min(1.0, std::sqrt(*plan.kl_clip / std::abs(vg_sum)));
 }

@@ -249,6 +249,50 @@ void rayleigh_columns(Policy&& policy, const T* f, const T* q, const T* fq, inde
     });
 }
 
+// --- Gradient checks: every layer's at once ------------------------------------------------
+
+/// `count` elements from `first` of pair `pair` of the gradient checks.
+struct check_chunk {
+    index pair, first, count;
+};
+
+/// Per chunk c, in element order: dot[c] = Σ x·y in double, bad[c] = the non-finite entries of
+/// x and y (xs[p], ys[p]: the pair's two arrays).
+template <class Policy, class T>
+void chunk_checks(Policy&& policy, const T* const* xs, const T* const* ys, const check_chunk* chunks, index n_chunks,
+                  double* dot, std::int64_t* bad) {
+    for_each_index(policy, n_chunks, [=] KFAC_HOST_DEVICE(index c) {
+        const check_chunk k = chunks[c];
+        const T* x = xs[k.pair] + k.first;
+        const T* y = ys[k.pair] + k.first;
+        double s = 0.0;
+        std::int64_t n = 0;
+        for (index i = 0; i < k.count; ++i) {
+            n += (x[i] - x[i]) == (x[i] - x[i]) ? 0 : 1;  // NaN for NaN and ±Inf
+            n += (y[i] - y[i]) == (y[i] - y[i]) ? 0 : 1;
+            s += static_cast<double>(x[i]) * static_cast<double>(y[i]);
+        }
+        dot[c] = s;
+        bad[c] = n;
+    });
+}
+
+/// Per pair p, its chunks [begin[p], begin[p + 1]) summed in order: dots[p], bad[p].
+template <class Policy>
+void pair_totals(Policy&& policy, const index* begin, index pairs, const double* chunk_dot, const std::int64_t* chunk_bad,
+                 double* dots, std::int64_t* bad) {
+    for_each_index(policy, pairs, [=] KFAC_HOST_DEVICE(index p) {
+        double s = 0.0;
+        std::int64_t n = 0;
+        for (index c = begin[p]; c < begin[p + 1]; ++c) {
+            s += chunk_dot[c];
+            n += chunk_bad[c];
+        }
+        dots[p] = s;
+        bad[p] = n;
+    });
+}
+
 /// Σ of `count` doubles (synchronises).
 template <class Policy>
 double sum(Policy&& policy, const double* v, index count) {
