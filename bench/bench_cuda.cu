@@ -12,8 +12,9 @@
 ///   preconditioning) and non-update step, eigendecomposition and inverse methods, with the
 ///   layers' buffers in device memory (device views, as a GPU framework hands them over),
 ///   and what one step of each kind costs in host synchronisations and host↔device copies
-///   (backend::cuda<T>::transfers()). --linear-only keeps the Linear and Conv2d layers, the
-///   ones kfac-pytorch preconditions (bench/side_by_side_gpu.py).
+///   (backend::cuda<T>::transfers()); the eigen method once more with small factors decomposed
+///   one by one ("batched": false; cuda<T>::batch_small_factors). --linear-only keeps the
+///   Linear and Conv2d layers, the ones kfac-pytorch preconditions (bench/side_by_side_gpu.py).
 /// Options as kfac-pytorch's defaults where the side-by-side compares them: damping 0.003,
 /// factor_decay 0.95, kl_clip 0.001, lr 0.1, compute_eigenvalue_outer_product.
 /// Times are wall-clock around the call after cudaDeviceSynchronize on both sides. Without a
@@ -93,7 +94,8 @@ void eigensolver_sweep(const std::vector<std::int64_t>& sizes, int iterations) {
 }
 
 template <class T, class Method>
-void kfac_steps(const kfac_bench::model& m, const std::string& name, std::int64_t batch, int iterations) {
+void kfac_steps(const kfac_bench::model& m, const std::string& name, std::int64_t batch, int iterations,
+                bool batched = true) {
     std::mt19937 gen(1234);
     std::vector<kfac::layer_view<T>> views(m.layers.size());
     std::vector<std::unique_ptr<device_array<T>>> keep;
@@ -143,6 +145,7 @@ void kfac_steps(const kfac_bench::model& m, const std::string& name, std::int64_
         o.lr = 0.1;
         o.compute_eigenvalue_outer_product = true;
         if (!update) o.factor_update_steps = o.inv_update_steps = std::int64_t{1000000};
+        kfac::backend::cuda<T>::batch_small_factors(batched);
         kfac::KFAC<kfac::backend::cuda<T>, kfac::comm::serial, Method> p(o);
         for (std::size_t i = 0; i < views.size(); ++i) p.register_layer(m.layers[i].name, views[i]);
         // Preconditioning rewrites the gradients in place; their scale does not change the work.
@@ -151,11 +154,11 @@ void kfac_steps(const kfac_bench::model& m, const std::string& name, std::int64_
         p.step();  // one more of the same kind, counted
         const auto cost = kfac::backend::cuda<T>::transfers() - before;
         std::printf("{\"bench\": \"kfac_step\", \"model\": \"%s\", \"dtype\": \"%s\", \"method\": \"%s\", \"batch\": %lld, "
-                    "\"layers\": %zu, \"step\": \"%s\", \"ms\": %.3f, \"synchronizations\": %lld, "
+                    "\"layers\": %zu, \"batched\": %s, \"step\": \"%s\", \"ms\": %.3f, \"synchronizations\": %lld, "
                     "\"device_to_host\": %lld, \"host_to_device\": %lld}\n",
                     name.c_str(), sizeof(T) == 4 ? "float32" : "float64",
                     std::is_same_v<Method, kfac::compute::eigendecomposition> ? "eigen" : "inverse",
-                    static_cast<long long>(batch), views.size(), update ? "update" : "non_update", ms,
+                    static_cast<long long>(batch), views.size(), batched ? "true" : "false", update ? "update" : "non_update", ms,
                     static_cast<long long>(cost.synchronizations), static_cast<long long>(cost.device_to_host),
                     static_cast<long long>(cost.host_to_device));
         std::fflush(stdout);
@@ -179,6 +182,8 @@ int run(const std::vector<std::string>& models, std::int64_t batch, int iteratio
         if (linear_only) m = linear_and_conv_only(std::move(m));
         const std::string name = path.substr(path.find_last_of('/') + 1);
         kfac_steps<T, kfac::compute::eigendecomposition>(m, name, batch ? batch : m.batch, iterations);
+        // Small factors decomposed one by one: the other way of issue 28's measurement.
+        kfac_steps<T, kfac::compute::eigendecomposition>(m, name, batch ? batch : m.batch, iterations, false);
         kfac_steps<T, kfac::compute::inverse>(m, name, batch ? batch : m.batch, iterations);
     }
     return 0;

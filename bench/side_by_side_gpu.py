@@ -197,7 +197,7 @@ def main() -> int:
             if not line.startswith('{'):
                 continue
             r = json.loads(line)
-            if r.get('bench') != 'kfac_step':
+            if r.get('bench') != 'kfac_step' or not r.get('batched', True):
                 continue
             for row in rows:
                 if row['model'] == name and row['method'] == r['method'] and row['step'] == r['step']:

@@ -22,6 +22,13 @@
 #include "unit/layer_kinds.hpp"
 #include "unit/test_util.hpp"
 
+// Every optional member is there, so the preconditioner takes each of these paths on the GPU.
+static_assert(kfac::detail::backend_with_unit_wise_factors<kfac::backend::cuda<float>>);
+static_assert(kfac::detail::backend_with_diagonal_factors<kfac::backend::cuda<float>>);
+static_assert(kfac::detail::backend_with_eigenbasis_reuse<kfac::backend::cuda<float>>);
+static_assert(kfac::detail::backend_with_gradient_checks<kfac::backend::cuda<float>>);
+static_assert(kfac::detail::backend_with_batched_eigen<kfac::backend::cuda<double>>);
+
 namespace {
 
 using kfac_test::eps;
@@ -198,6 +205,48 @@ TEMPLATE_TEST_CASE("checkpoints of every kind move between the CPU and the GPU",
         INFO(names[i].first);
         CHECK(vector_error(layers[i].gpu.grad_weight, layers[i].cpu.grad_weight) < backend_tolerance<T>());
     }
+}
+
+TEMPLATE_TEST_CASE("depthwise blocks decomposed together equal those decomposed one by one", "[cuda][batched]", float,
+                   double) {
+    // 3 × 3 depthwise over 12 channels: twelve 9 × 9 A factors and twelve 1 × 1 G factors, each
+    // size decomposed by one ?syevjBatched call, against ?syevd one at a time and the CPU
+    // backend; then the update step's synchronisations with and without batching.
+    using T = TestType;
+    using gpu_backend = kfac::backend::cuda<T>;
+    auto layer = kfac_test::random_conv<T>(4, 12, 12, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 12}, false, 6, 6, 51);
+    auto o = kinds_options();
+    o.inv_update_steps = 1;
+    std::vector<std::vector<T>> gradients;
+    std::vector<typename gpu_backend::transfer_counts> costs;
+    for (bool batched : {true, false}) {
+        gpu_backend::batch_small_factors(batched);
+        kfac::KFAC<gpu_backend> gpu(o);
+        auto copy = layer;
+        copy.bind();
+        gpu.register_layer("dw", copy.view);
+        gpu.step();
+        const auto before = gpu_backend::transfers();
+        kfac_test::refill_gradients(copy, 61);
+        gpu.step();
+        costs.push_back(gpu_backend::transfers() - before);
+        gradients.push_back(copy.grad_weight);
+    }
+    gpu_backend::batch_small_factors(true);
+    kfac::KFAC<kfac::backend::cpu_eigen<T>> cpu(o);
+    auto host = layer;
+    host.bind();
+    cpu.register_layer("dw", host.view);
+    cpu.step();
+    kfac_test::refill_gradients(host, 61);
+    cpu.step();
+    // Jacobi and divide-and-conquer give the same eigenpairs to the solvers' rounding, which the
+    // damped product amplifies by at most (λ_max + γ)/γ: the step-by-step tolerance.
+    CHECK(vector_error(gradients[0], gradients[1]) < backend_tolerance<T>());
+    CHECK(vector_error(gradients[0], host.grad_weight) < backend_tolerance<T>());
+    WARN("update step of 12 depthwise blocks: " << costs[0].synchronizations << " synchronisations batched, "
+                                                << costs[1].synchronizations << " one by one");
+    CHECK(costs[0].synchronizations < costs[1].synchronizations);
 }
 
 TEST_CASE("a non-update step with device views waits for the device once", "[cuda][syncs]") {

@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -281,6 +282,40 @@ TEST_CASE("batched gradient checks: per-pair non-finite counts and dots in chunk
         // Products exact in double; the sums of ≤ 20 terms in another association: 20 ε_double.
         CHECK(std::abs(dots[p] - expected) <= 20 * 2.2e-16 * (std::abs(expected) + 1));
     }
+}
+
+
+TEST_CASE("small decompositions together: gather, status and scatter", "[cuda][kernels]") {
+    using T = double;
+    const index n = 3, count = 4;
+    std::vector<std::vector<T>> matrices;
+    std::vector<const T*> inputs;
+    for (index b = 0; b < count; ++b) {
+        matrices.push_back(random_vector<T>(static_cast<std::size_t>(n * n), 81 + static_cast<std::uint32_t>(b)));
+        inputs.push_back(matrices.back().data());
+    }
+    std::vector<T> packed(static_cast<std::size_t>(count * n * n));
+    kernels::gather_arrays(thrust::cpp::par, inputs.data(), n * n, count, packed.data());
+    for (index b = 0; b < count; ++b)
+        for (index i = 0; i < n * n; ++i)
+            CHECK(packed[static_cast<std::size_t>(b * n * n + i)] == matrices[static_cast<std::size_t>(b)][static_cast<std::size_t>(i)]);
+    // What the solver left: item 1 failed (info 2), item 2 has a NaN eigenvalue, item 3 an
+    // infinite eigenvector entry; item 0 is usable.
+    std::vector<T> values(static_cast<std::size_t>(count * n), T(1));
+    values[static_cast<std::size_t>(2 * n + 1)] = std::numeric_limits<T>::quiet_NaN();
+    packed[static_cast<std::size_t>(3 * n * n + 4)] = -std::numeric_limits<T>::infinity();
+    const std::vector<int> info = {0, 2, 0, 0};
+    std::vector<std::int64_t> status(static_cast<std::size_t>(count), 99);
+    kernels::batch_status(thrust::cpp::par, info.data(), packed.data(), values.data(), n, count, status.data());
+    CHECK(status == std::vector<std::int64_t>{0, -1, 1, 1});
+    std::vector<std::vector<T>> out(static_cast<std::size_t>(count), std::vector<T>(static_cast<std::size_t>(n)));
+    std::vector<T*> outputs;
+    for (auto& o : out) outputs.push_back(o.data());
+    kernels::scatter_arrays(thrust::cpp::par, values.data(), n, count, outputs.data());
+    for (index b = 0; b < count; ++b)
+        for (index i = 0; i < n; ++i)
+            CHECK((out[static_cast<std::size_t>(b)][static_cast<std::size_t>(i)] == values[static_cast<std::size_t>(b * n + i)] ||
+                   std::isnan(values[static_cast<std::size_t>(b * n + i)])));
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <kfac/comm/mpi.hpp>
@@ -942,6 +943,7 @@ TEMPLATE_TEST_CASE("every layer kind through host staging equals direct collecti
             direct.register_layer(direct_layers[i].first, direct_layers[i].second.view);
         }
         kfac_replay::staged_bytes() = 0;
+        kfac_replay::prefetched_taken() = 0;
         for (std::uint32_t step = 0; step < 3; ++step) {
             staged.step();
             direct.step();
@@ -955,6 +957,12 @@ TEMPLATE_TEST_CASE("every layer kind through host staging equals direct collecti
             }
         }
         if (world > 1) CHECK(kfac_replay::staged_bytes() > 0);  // the collectives went through the staging
+        if constexpr (std::is_same_v<TestType, kfac::compute::eigendecomposition>) {
+            // The decompositions came through the prefetch (on the ranks that computed some).
+            long mine = static_cast<long>(kfac_replay::prefetched_taken()), all = 0;
+            MPI_Allreduce(&mine, &all, 1, MPI_LONG, MPI_SUM, MPI_COMM_WORLD);
+            CHECK(all > 0);
+        }
     }
 }
 

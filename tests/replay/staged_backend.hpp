@@ -4,7 +4,8 @@
 /// The CPU backend declared device-resident: the preconditioner then moves every collective
 /// payload through kfac::detail::host_staging (download into pinned buffers, collective,
 /// upload), exactly as it does for backend::cuda with a communication library that is not
-/// CUDA-aware. Its "pinned" buffers are plain host memory and download/upload are copies, so
+/// CUDA-aware; and, as backend::cuda has them, the batched gradient checks and the prefetched
+/// decompositions, computed here by the CPU backend's own code. Its "pinned" buffers are plain host memory and download/upload are copies, so
 /// the staging path runs, and is checked against the golden cases under mpiexec, without a
 /// GPU: a receiver whose upload were lost would keep stale factors or gradients.
 
@@ -13,9 +14,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <kfac/backend/cpu_eigen.hpp>
+#include <kfac/backend/detail/prefetched_eigen.hpp>
 
 namespace kfac_replay {
 
@@ -23,6 +26,12 @@ namespace kfac_replay {
 inline std::atomic<std::size_t>& staged_bytes() {
     static std::atomic<std::size_t> bytes{0};
     return bytes;
+}
+
+/// Decompositions staged_backend::symmetric_eigen() returned from the prefetched ones.
+inline std::atomic<std::size_t>& prefetched_taken() {
+    static std::atomic<std::size_t> taken{0};
+    return taken;
 }
 
 template <class Scalar>
@@ -46,6 +55,30 @@ struct staged_backend : kfac::backend::cpu_eigen<Scalar> {
     static void upload(const Scalar* host, Scalar* device, std::size_t count) {
         std::copy(host, host + count, device);
         staged_bytes() += count * sizeof(Scalar);
+    }
+
+    /// A device backend's prefetched decompositions (kfac/backend/batched_eigen.hpp), so the
+    /// preconditioner's prefetch path runs here: every factor decomposed ahead by the CPU
+    /// backend's own solver and kept, symmetric_eigen() returning the kept result (so the
+    /// results are the CPU backend's, bitwise).
+    using vector = typename kfac::backend::cpu_eigen<Scalar>::vector;
+    using kept_eigen = kfac::backend::detail::prefetched_eigen<typename kfac::backend::cpu_eigen<Scalar>::matrix, vector>;
+    static void prefetch_symmetric_eigen(const std::vector<const typename kfac::backend::cpu_eigen<Scalar>::matrix*>& factors) {
+        for (const auto* f : factors) {
+            typename kfac::backend::cpu_eigen<Scalar>::matrix q;
+            vector lambda;
+            if (kfac::backend::cpu_eigen<Scalar>::symmetric_eigen(*f, q, lambda))
+                kept_eigen::of_this_thread().put(f->data(), f->size(), std::move(q), std::move(lambda));
+        }
+    }
+    static void clear_prefetched_eigen() noexcept { kept_eigen::of_this_thread().clear(); }
+    static bool symmetric_eigen(const typename kfac::backend::cpu_eigen<Scalar>::matrix& m,
+                                typename kfac::backend::cpu_eigen<Scalar>::matrix& q, vector& lambda) {
+        if (kept_eigen::of_this_thread().take(m.data(), m.size(), q, lambda)) {
+            ++prefetched_taken();
+            return true;
+        }
+        return kfac::backend::cpu_eigen<Scalar>::symmetric_eigen(m, q, lambda);
     }
 
     /// A device backend's batched gradient checks (kfac/backend/gradient_checks.hpp), so the

@@ -24,7 +24,8 @@
 ///
 /// Parts: the statistics of every layer kind (detail/cuda_statistics.cuh), the optional members
 /// of unit-wise blocks, diagonal factors, eigenbasis reuse and grouped convolutions
-/// (detail/cuda_layer_kinds.cuh), over the device matrix and checked helpers of
+/// (detail/cuda_layer_kinds.cuh), small factors decomposed together
+/// (detail/cuda_batched_eigen.cuh), over the device matrix and checked helpers of
 /// detail/cuda_storage.cuh; this file adds construction, transfers, decompositions,
 /// preconditioning and gradients.
 
@@ -40,6 +41,7 @@
 
 #include <Eigen/Core>
 
+#include "kfac/backend/detail/cuda_batched_eigen.cuh"
 #include "kfac/backend/detail/cuda_layer_kinds.cuh"
 #include "kfac/backend/detail/cuda_library_calls.cuh"
 #include "kfac/backend/detail/cuda_statistics.cuh"
@@ -61,7 +63,8 @@ inline int cuda_device_count() noexcept { return cuda_detail::device_count(); }
 /// CUDA backend (cuBLAS, cuSOLVER, Thrust).
 /// @tparam Scalar float or double: the precision of factors, decompositions and gradients.
 template <class Scalar = float>
-struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kinds<Scalar> {
+struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kinds<Scalar>,
+              cuda_detail::cuda_batched_eigen<Scalar> {
     static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                   "kfac::backend::cuda<Scalar>: Scalar must be float or double");
 
@@ -88,6 +91,15 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
     /// the difference of two readings is what the calls between them cost
     /// (bench/bench_cuda.cu counts a step with it).
     static transfer_counts transfers() noexcept { return cuda_detail::transfer_ledger::process().read(); }
+
+    /// Whether inverse updates decompose same-size factors of at most 32 rows together
+    /// (detail/cuda_batched_eigen.cuh; default on), for every CUDA backend of the process.
+    static void batch_small_factors(bool on) noexcept {
+        cuda_detail::small_factor_batching().store(on, std::memory_order_relaxed);
+    }
+    static bool batches_small_factors() noexcept {
+        return cuda_detail::small_factor_batching().load(std::memory_order_relaxed);
+    }
 
     static constexpr bool device_memory = true;
 
@@ -153,6 +165,7 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
     /// M = Q diag(λ) Qᵀ, λ ascending (cuSOLVER ?syevd, divide and conquer like the CPU's
     /// LAPACK path). devInfo > 0 (no convergence) returns false; < 0 is a bug and throws.
     static bool symmetric_eigen(const matrix& m, matrix& q, vector& lambda) {
+        if (cuda_detail::cuda_batched_eigen<Scalar>::take_prefetched(m, q, lambda)) return true;  // decomposed ahead
         const int n = calls::narrow(m.rows());
         q = m;
         lambda.resize(m.rows(), 1);

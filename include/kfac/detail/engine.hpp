@@ -142,6 +142,20 @@ public:
     /// Pᵀ of every layer, shared from the gradient workers; unusable layers zeroed.
     void precondition_all(const step_plan& plan, step_outcome& outcome);
     /// ν = min(1, √(κ / |η² Σ_layers ⟨P, Γ⟩|)), 1 without kl_clip or when the sum is 0.
+    /// Clears a backend's prefetched decompositions when it goes (engine_second_order.hpp).
+    struct prefetch_guard {
+        void (*clear)() noexcept = nullptr;
+        prefetch_guard() = default;
+        explicit prefetch_guard(void (*c)() noexcept) : clear(c) {}
+        prefetch_guard(prefetch_guard&& o) noexcept : clear(std::exchange(o.clear, nullptr)) {}
+        prefetch_guard(const prefetch_guard&) = delete;
+        prefetch_guard& operator=(const prefetch_guard&) = delete;
+        prefetch_guard& operator=(prefetch_guard&&) = delete;
+        ~prefetch_guard() {
+            if (clear) clear();
+        }
+    };
+    prefetch_guard prefetch_decompositions();
     [[nodiscard]] double kl_clip_scale(const step_plan& plan) const;
     /// The host's gradient buffers ← ν · Pᵀ.
     void write_back(double scale);

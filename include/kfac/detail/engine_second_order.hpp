@@ -4,8 +4,11 @@
 /// Second-order data: each factor this rank owns decomposed (or inverted) as an independent
 /// task, then kept, counted and broadcast to the ranks that precondition with it.
 
+#include <type_traits>
 #include <vector>
 
+#include "kfac/backend/batched_eigen.hpp"
+#include "kfac/compute/eigendecomposition.hpp"
 #include "kfac/detail/engine.hpp"
 
 namespace kfac::detail {
@@ -26,6 +29,27 @@ void engine<Backend, CommPolicy, ComputeMethod>::count_bases(const layer_record&
     };
     count(l.role.computes_a, factor_side::a, a);
     count(l.role.computes_g, factor_side::g, g);
+}
+
+/// Hands a backend with batched_eigen (kfac/backend/batched_eigen.hpp) every dense factor this
+/// rank is about to decompose, so it can decompose small ones together; what the tasks do not
+/// take is forgotten when the guard goes, whatever happened meanwhile. Nothing for other
+/// backends or methods, or with an eigenbasis reuse tolerance (a kept basis would waste it).
+template <class Backend, class CommPolicy, class ComputeMethod>
+auto engine<Backend, CommPolicy, ComputeMethod>::prefetch_decompositions() -> prefetch_guard {
+    if constexpr (backend_with_batched_eigen<Backend> && std::is_same_v<ComputeMethod, compute::eigendecomposition>) {
+        if (options_.eigenbasis_reuse_tolerance != 0.0) return {};
+        std::vector<const matrix*> dense;
+        for (const auto& l : layers_) {
+            if (l.role.computes_a && l.block->counts_basis(factor_side::a)) dense.push_back(&l.state.a_factor);
+            if (l.role.computes_g && l.block->counts_basis(factor_side::g)) dense.push_back(&l.state.g_factor);
+        }
+        prefetch_guard guard{&Backend::clear_prefetched_eigen};
+        Backend::prefetch_symmetric_eigen(dense);
+        return guard;
+    } else {
+        return {};
+    }
 }
 
 /// options.eigenbasis_reuse_tolerance may keep a factor's previous eigenvectors; only data
@@ -64,7 +88,10 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
                                                                          options_, *previous_g, r.g);
                                            }}));
     }
-    agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
+    agree_on([&] {
+        const auto prefetched = prefetch_decompositions();
+        detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
+    });
     for (std::size_t i = 0; i < layers_.size(); ++i) {
         auto& l = layers_[i];
         auto& r = results[i];

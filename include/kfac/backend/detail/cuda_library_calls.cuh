@@ -122,6 +122,42 @@ void getrs(int n, const T* a, const int* pivots, T* b, int* info) {
     KFAC_CUDA_TYPED_CALL(T, cusolverDnSgetrs, cusolverDnDgetrs, h, CUBLAS_OP_N, n, n, a, n, pivots, b, n, info);
 }
 
+/// Parameters of the batched Jacobi eigensolver (cusolverDn?syevjBatched): eigenvalues sorted
+/// ascending, as ?syevd returns them; the default tolerance (machine precision) and sweeps.
+class syevj_parameters {
+public:
+    syevj_parameters() {
+        check(cusolverDnCreateSyevjInfo(&info_), "cusolverDnCreateSyevjInfo");
+        check(cusolverDnXsyevjSetSortEig(info_, 1), "cusolverDnXsyevjSetSortEig");
+    }
+    syevj_parameters(const syevj_parameters&) = delete;
+    syevj_parameters& operator=(const syevj_parameters&) = delete;
+    ~syevj_parameters() { (void)cusolverDnDestroySyevjInfo(info_); }
+    [[nodiscard]] syevjInfo_t get() const noexcept { return info_; }
+
+private:
+    syevjInfo_t info_ = nullptr;
+};
+
+/// Workspace, in elements, of the batched Jacobi eigensolver for `batch` n × n matrices.
+template <class T>
+int syevj_batched_workspace(int n, T* a, T* w, const syevj_parameters& p, int batch) {
+    int lwork = 0;
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSsyevjBatched_bufferSize, cusolverDnDsyevjBatched_bufferSize, h,
+                         CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n, a, n, w, &lwork, p.get(), batch);
+    return lwork;
+}
+
+/// `batch` n × n matrices stored one after another in `a` (n ≤ 32): eigenvectors in place,
+/// eigenvalues n after n in `w`, each matrix's status in info[b].
+template <class T>
+void syevj_batched(int n, T* a, T* w, T* work, int lwork, int* info, const syevj_parameters& p, int batch) {
+    cusolverDnHandle_t h = library_handles::of_this_thread().solver();
+    KFAC_CUDA_TYPED_CALL(T, cusolverDnSsyevjBatched, cusolverDnDsyevjBatched, h, CUSOLVER_EIG_MODE_VECTOR,
+                         CUBLAS_FILL_MODE_LOWER, n, a, n, w, work, lwork, info, p.get(), batch);
+}
+
 #undef KFAC_CUDA_TYPED_CALL
 
 }  // namespace kfac::backend::cuda_detail

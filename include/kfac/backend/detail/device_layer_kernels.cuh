@@ -293,6 +293,36 @@ void pair_totals(Policy&& policy, const index* begin, index pairs, const double*
     });
 }
 
+// --- Many small decompositions at once ------------------------------------------------------
+
+/// dst[b·n + i] = src[b][i]: `count` arrays of n elements side by side (a batched solver's input).
+template <class Policy, class T>
+void gather_arrays(Policy&& policy, const T* const* src, index n, index count, T* dst) {
+    for_each_index(policy, n * count, [=] KFAC_HOST_DEVICE(index t) { dst[t] = src[t / n][t % n]; });
+}
+
+/// dst[b][i] = src[b·n + i]: the inverse of gather_arrays.
+template <class Policy, class T>
+void scatter_arrays(Policy&& policy, const T* src, index n, index count, T* const* dst) {
+    for_each_index(policy, n * count, [=] KFAC_HOST_DEVICE(index t) { dst[t / n][t % n] = src[t]; });
+}
+
+/// status[b] = −1 when the solver reported info[b] ≠ 0 for matrix b, else the non-finite entries
+/// among its n × n eigenvectors (q + b·n²) and n eigenvalues (w + b·n): 0 is a usable result.
+template <class Policy, class T>
+void batch_status(Policy&& policy, const int* info, const T* q, const T* w, index n, index count, std::int64_t* status) {
+    for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index b) {
+        if (info[b] != 0) {
+            status[b] = -1;
+            return;
+        }
+        std::int64_t bad = 0;
+        for (index i = 0; i < n * n; ++i) bad += (q[b * n * n + i] - q[b * n * n + i]) == T(0) ? 0 : 1;
+        for (index i = 0; i < n; ++i) bad += (w[b * n + i] - w[b * n + i]) == T(0) ? 0 : 1;
+        status[b] = bad;
+    });
+}
+
 /// Σ of `count` doubles (synchronises).
 template <class Policy>
 double sum(Policy&& policy, const double* v, index count) {
