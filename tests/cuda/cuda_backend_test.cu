@@ -267,11 +267,4 @@ TEST_CASE("a CUDA preconditioner saves and loads the state a CPU one has", "[cud
 
 }  // namespace
 
-int main(int argc, char** argv) {
-    if (kfac::backend::cuda_device_count() == 0) {
-        std::printf("SKIPPED: no CUDA device is present (cudaGetDeviceCount reports none); "
-                    "the CUDA backend tests need a GPU\n");
-        return 77;
-    }
-    return kfac_test::run_catch_session(argc, argv);
-}
+int main(int argc, char** argv) { return kfac_test::run_gpu_tests(argc, argv); }

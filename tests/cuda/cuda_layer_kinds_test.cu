@@ -275,11 +275,4 @@ TEST_CASE("a non-update step with device views waits for the device once", "[cud
 
 }  // namespace
 
-int main(int argc, char** argv) {
-    if (kfac::backend::cuda_device_count() == 0) {
-        std::printf("SKIPPED: no CUDA device is present (cudaGetDeviceCount reports none); "
-                    "the CUDA backend tests need a GPU\n");
-        return 77;
-    }
-    return kfac_test::run_catch_session(argc, argv);
-}
+int main(int argc, char** argv) { return kfac_test::run_gpu_tests(argc, argv); }

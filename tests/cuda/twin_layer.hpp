@@ -1,17 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// Test support for the CUDA backend on a GPU: host vectors copied to device memory, and one
-// layer's buffers for a CPU and a CUDA preconditioner side by side (the CUDA one reading host
-// or device views of the same values).
+// Test support for the CUDA backend on a GPU: host vectors copied to device memory, one layer's
+// buffers for a CPU and a CUDA preconditioner side by side (the CUDA one reading host or device
+// views of the same values), and the programs' main().
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <vector>
 
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
+#include "support/catch_session.hpp"
 #include "unit/layer_kinds.hpp"
 #include "unit/test_util.hpp"
 
@@ -72,5 +74,18 @@ struct twin_layer {
         if (b_dev) b_dev->upload(gpu.grad_bias);
     }
 };
+
+/// main() of a GPU test program: the Catch2 session, or, without a CUDA device, a message and
+/// 77, which CTest reports as skipped.
+inline int run_gpu_tests(int argc, char** argv) {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+        (void)cudaGetLastError();
+        std::printf("SKIPPED: no CUDA device is present (cudaGetDeviceCount reports none); "
+                    "the CUDA backend tests need a GPU\n");
+        return 77;
+    }
+    return run_catch_session(argc, argv);
+}
 
 }  // namespace kfac_test

@@ -91,6 +91,28 @@ struct model {
     }
 };
 
+/// The options of every strategy this world size runs, named: KAISA's COMM_OPT, HYBRID_OPT (an
+/// even world, or one process), MEM_OPT, and DP-KFAC; everything else default.
+std::vector<std::pair<std::string, kfac::options>> every_strategy() {
+    struct setup {
+        kfac::distribution strategy;
+        double fraction;
+        const char* name;
+    };
+    std::vector<std::pair<std::string, kfac::options>> out;
+    for (const setup s : {setup{kfac::distribution::kaisa, kfac::comm_opt, "kaisa comm_opt"},
+                          setup{kfac::distribution::kaisa, kfac::hybrid_opt, "kaisa hybrid_opt"},
+                          setup{kfac::distribution::kaisa, kfac::mem_opt, "kaisa mem_opt"},
+                          setup{kfac::distribution::dp_kfac, kfac::comm_opt, "dp_kfac"}}) {
+        if (s.fraction == kfac::hybrid_opt && world_size() % 2 != 0 && world_size() != 1) continue;
+        kfac::options o;
+        o.strategy = s.strategy;
+        o.grad_worker_fraction = s.fraction;
+        out.emplace_back(s.name, o);
+    }
+    return out;
+}
+
 kfac::comm_counters delta(const kfac::comm_counters& after, const kfac::comm_counters& before) {
     return {after.allreduce_calls - before.allreduce_calls, after.allreduce_bytes - before.allreduce_bytes,
             after.broadcast_calls - before.broadcast_calls, after.broadcast_bytes - before.broadcast_bytes,
@@ -868,18 +890,8 @@ TEMPLATE_TEST_CASE("curvature modes: every strategy equals one process", "[mpi][
     // statistics, up to the allreduce's rounding, ~1e-16 relative). The per-layer damping is
     // computed by the rank that computes the layer's data from the factors it holds; W travels
     // in the checkpoint from a rank that holds the factors.
-    const int world = world_size();
-    struct setup {
-        kfac::distribution strategy;
-        double fraction;
-    };
-    for (const setup s : {setup{kfac::distribution::kaisa, kfac::comm_opt}, setup{kfac::distribution::kaisa, kfac::hybrid_opt},
-                          setup{kfac::distribution::kaisa, kfac::mem_opt}, setup{kfac::distribution::dp_kfac, kfac::comm_opt}}) {
-        if (s.fraction == kfac::hybrid_opt && world % 2 != 0 && world != 1) continue;
-        INFO("dp_kfac " << (s.strategy == kfac::distribution::dp_kfac) << ", fraction " << s.fraction);
-        kfac::options o;
-        o.strategy = s.strategy;
-        o.grad_worker_fraction = s.fraction;
+    for (auto [strategy, o] : every_strategy()) {
+        INFO(strategy);
         o.statistics = kfac::statistic_scale::per_example;
         o.averaging = kfac::factor_averaging::bias_corrected;
         o.damping_mode = kfac::damping_form::factored;
@@ -921,17 +933,8 @@ TEMPLATE_TEST_CASE("every layer kind through host staging equals direct collecti
     // values as the plain CPU backend, so the results agree to the collectives' rounding (their
     // reduction order may follow the buffer sizes, which staging does not change; 1e-12).
     const int world = world_size();
-    struct setup {
-        kfac::distribution strategy;
-        double fraction;
-    };
-    for (const setup s : {setup{kfac::distribution::kaisa, kfac::comm_opt}, setup{kfac::distribution::kaisa, kfac::hybrid_opt},
-                          setup{kfac::distribution::kaisa, kfac::mem_opt}, setup{kfac::distribution::dp_kfac, kfac::comm_opt}}) {
-        if (s.fraction == kfac::hybrid_opt && world % 2 != 0 && world != 1) continue;
-        INFO("dp_kfac " << (s.strategy == kfac::distribution::dp_kfac) << ", fraction " << s.fraction);
-        kfac::options o;
-        o.strategy = s.strategy;
-        o.grad_worker_fraction = s.fraction;
+    for (auto [strategy, o] : every_strategy()) {
+        INFO(strategy);
         o.damping = 0.01;
         o.kl_clip = 0.001;
         o.inv_update_steps = 2;

@@ -17,10 +17,14 @@
 /// ```
 ///
 /// Only with options.eigenbasis_reuse_tolerance = 0: a kept basis would make a prefetched
-/// decomposition wasted work.
+/// decomposition wasted work. A backend may keep its results in
+/// backend::detail::prefetched_eigen (kfac/backend/detail/prefetched_eigen.hpp), as
+/// backend::cuda does.
 
 #include <concepts>
 #include <vector>
+
+#include "kfac/backend/detail/prefetched_eigen.hpp"
 
 namespace kfac::detail {
 
