@@ -104,7 +104,11 @@ def kfac_pytorch_version(path: str) -> str:
 
 def main() -> int:
     args = parse_args()
-    import torch
+    try:
+        import torch
+    except ImportError:
+        print('SKIPPED: this python3 has no torch; the side-by-side needs PyTorch with CUDA')
+        return 77
     on_gpu = args.device == 'cuda'
     if on_gpu and not torch.cuda.is_available():
         print('SKIPPED: torch sees no CUDA device; the side-by-side needs a GPU')
