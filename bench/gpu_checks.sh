@@ -55,7 +55,7 @@ pack() {
     done
     # Header-only dependencies and their CMake packages, for configuring the LibTorch CUDA
     # programs there (paths kept relative to /usr, as the packages' configs expect).
-    (cd /usr && cp -r --parents include/eigen3 share/eigen3/cmake include/catch2 lib/cmake/Catch2 include/xtensor \
+    (cd /usr && cp -r --parents include/eigen3 share/eigen3/cmake include/catch2 lib/cmake/Catch2 lib/libCatch2WithMain.a include/xtensor \
         lib/x86_64-linux-gnu/cmake/xtensor include/xtl share/cmake/xtl include/nlohmann share/cmake/nlohmann_json \
         "$root/$stage/prefix/" 2>/dev/null)
     local peers=${KFAC_PYTORCH:-../shared/peers/kfac-pytorch}
