@@ -7,8 +7,7 @@
 /// only this class; the tracked layers cross the seam as kfac::any_layer<float>.
 ///
 /// ```
-///   std::unique_ptr<kfac_examples::kfac_handle> p =
-///       on_gpu ? kfac_examples::make_cuda_kfac(opts) : kfac_examples::make_cpu_kfac(opts);
+///   std::unique_ptr<kfac_examples::kfac_handle> p = kfac_examples::make_kfac(opts, on_gpu);
 ///   kfac::torch::register_modules(*p, tracker, model);   // as with a kfac::KFAC
 /// ```
 
@@ -107,5 +106,23 @@ inline std::unique_ptr<kfac_handle> make_cpu_kfac(const kfac::options& opts) {
 /// A preconditioner on backend::cuda<float> (kfac_handle_cuda.cu; programs built with nvcc
 /// define KFAC_EXAMPLE_CUDA and link it).
 std::unique_ptr<kfac_handle> make_cuda_kfac(const kfac::options& opts);
+
+/// Whether this program can precondition on a GPU (it links kfac_handle_cuda.cu).
+#ifdef KFAC_EXAMPLE_CUDA
+inline constexpr bool built_with_cuda = true;
+#else
+inline constexpr bool built_with_cuda = false;
+#endif
+
+/// A preconditioner on the GPU or on the CPU; on the GPU only in a program built with nvcc
+/// (the programs refuse --device cuda by name before they get here otherwise).
+inline std::unique_ptr<kfac_handle> make_kfac(const kfac::options& opts, bool on_gpu) {
+#ifdef KFAC_EXAMPLE_CUDA
+    if (on_gpu) return make_cuda_kfac(opts);
+#else
+    if (on_gpu) throw kfac::error("kfac_examples::make_kfac: a GPU preconditioner in a program built without nvcc");
+#endif
+    return make_cpu_kfac(opts);
+}
 
 }  // namespace kfac_examples

@@ -75,12 +75,6 @@ constexpr const char* program = "kfac_fashion_mnist_mpi";
 using cpu_preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>>;
 constexpr const char* program = "kfac_fashion_mnist";
 #endif
-/// Whether this build can precondition on a GPU (kfac_handle_cuda.cu compiled by nvcc).
-#ifdef KFAC_EXAMPLE_CUDA
-constexpr bool built_with_cuda = true;
-#else
-constexpr bool built_with_cuda = false;
-#endif
 
 // ---------------------------------------------------------------------------------------
 // The processes of a run: one, or the MPI ranks of a data-parallel run.
@@ -359,17 +353,6 @@ double parse_number(const std::string& word, const std::string& where) {
     return v;
 }
 
-/// K-FAC on backend::cuda (kfac_handle_cuda.cu), in a build with nvcc; main_body() refuses
-/// --device cuda in one without (and in the MPI program).
-[[maybe_unused]] std::unique_ptr<kfac_handle> make_gpu_kfac(const kfac::options& opts) {
-#ifdef KFAC_EXAMPLE_CUDA
-    return make_cuda_kfac(opts);
-#else
-    (void)opts;
-    throw std::logic_error("--device cuda in a build without nvcc");
-#endif
-}
-
 // ---------------------------------------------------------------------------------------
 // One optimizer's run.
 
@@ -431,7 +414,7 @@ public:
         else opts.strategy = kfac::distribution::dp_kfac;
         precond_ = std::make_unique<held_kfac<cpu_preconditioner>>("cpu_eigen<float>", opts, kfac::comm::mpi());
 #else
-        precond_ = settings_.device == "cuda" ? make_gpu_kfac(opts) : make_cpu_kfac(opts);
+        precond_ = make_kfac(opts, settings_.device == "cuda");
 #endif
         // kfac's layer tasks run on opts.threads threads with one BLAS thread each. A BLAS call
         // on several threads would leave OpenBLAS's workers spinning after the step, taking

@@ -256,12 +256,10 @@ int main(int argc, char** argv) {
         return 2;
     }
 
-#ifndef KFAC_EXAMPLE_CUDA
-    if (s.device == "cuda") {
+    if (s.device == "cuda" && !kfac_examples::built_with_cuda) {
         std::fprintf(stderr, "kfac_torch_transformer: --device cuda: this program was built without nvcc (kfac::cuda)\n");
         return 2;
     }
-#endif
     if (s.device == "cuda" && !torch::cuda::is_available()) {
         std::fprintf(stderr, "kfac_torch_transformer: --device cuda: LibTorch sees no CUDA device (Debian's LibTorch is "
                              "CPU-only; build against a LibTorch with CUDA, README.md 'LibTorch on a GPU')\n");
@@ -302,11 +300,7 @@ int main(int argc, char** argv) {
             // Created only now: while a tracker lives, every operator on this thread passes
             // through its observer, and the SGD run above should not pay for that.
             kfac::torch::tracker<float> tracker;
-#ifdef KFAC_EXAMPLE_CUDA
-            auto precond = s.device == "cuda" ? kfac_examples::make_cuda_kfac(opts) : kfac_examples::make_cpu_kfac(opts);
-#else
-            auto precond = kfac_examples::make_cpu_kfac(opts);
-#endif
+            auto precond = kfac_examples::make_kfac(opts, s.device == "cuda");
             // kfac's layer tasks run with one BLAS thread each; a BLAS call on several threads
             // would leave OpenBLAS's workers spinning against LibTorch's (a step took 7.6x SGD's
             // instead of 2x on 2 cores).

@@ -31,6 +31,7 @@ static_assert(kfac::detail::backend_with_batched_eigen<kfac::backend::cuda<doubl
 
 namespace {
 
+using kfac_test::buffer_rel_err;
 using kfac_test::eps;
 using kfac_test::every_kind;
 using kfac_test::mat;
@@ -64,14 +65,6 @@ double backend_tolerance() {
     return std::is_same_v<T, float> ? 10 * eps<T>() * (1 + 0.01) / 0.01 : 1e-10;
 }
 
-template <class T>
-double vector_error(const std::vector<T>& got, const std::vector<T>& expected) {
-    using vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
-    if (expected.empty()) return got.empty() ? 0.0 : 1.0;
-    return rel_err(Eigen::Map<const vec>(got.data(), static_cast<index>(got.size())),
-                   Eigen::Map<const vec>(expected.data(), static_cast<index>(expected.size())));
-}
-
 /// Runs both preconditioners over `steps` steps (with accumulate() passes when
 /// options.accumulation_steps > 1) and checks the preconditioned gradients, the kl_clip scale
 /// and every factor after each step.
@@ -96,8 +89,8 @@ void compare_every_kind(const kfac::options& o, bool device_views, int steps) {
         gpu.step();
         for (std::size_t i = 0; i < layers.size(); ++i) {
             INFO("layer " << names[i].first << ", step " << step);
-            CHECK(vector_error(layers[i].gpu_weight_gradient(), layers[i].cpu.grad_weight) < tol);
-            CHECK(vector_error(layers[i].gpu_bias_gradient(), layers[i].cpu.grad_bias) < tol);
+            CHECK(buffer_rel_err(layers[i].gpu_weight_gradient(), layers[i].cpu.grad_weight) < tol);
+            CHECK(buffer_rel_err(layers[i].gpu_bias_gradient(), layers[i].cpu.grad_bias) < tol);
         }
         CHECK(gpu.last_kl_scale() == Approx(cpu.last_kl_scale()).epsilon(tol));
         for (const auto& info : cpu.layers()) {
@@ -203,7 +196,7 @@ TEMPLATE_TEST_CASE("checkpoints of every kind move between the CPU and the GPU",
     gpu_from_cpu.step();
     for (std::size_t i = 0; i < layers.size(); ++i) {
         INFO(names[i].first);
-        CHECK(vector_error(layers[i].gpu.grad_weight, layers[i].cpu.grad_weight) < backend_tolerance<T>());
+        CHECK(buffer_rel_err(layers[i].gpu.grad_weight, layers[i].cpu.grad_weight) < backend_tolerance<T>());
     }
 }
 
@@ -242,8 +235,8 @@ TEMPLATE_TEST_CASE("depthwise blocks decomposed together equal those decomposed 
     cpu.step();
     // Jacobi and divide-and-conquer give the same eigenpairs to the solvers' rounding, which the
     // damped product amplifies by at most (λ_max + γ)/γ: the step-by-step tolerance.
-    CHECK(vector_error(gradients[0], gradients[1]) < backend_tolerance<T>());
-    CHECK(vector_error(gradients[0], host.grad_weight) < backend_tolerance<T>());
+    CHECK(buffer_rel_err(gradients[0], gradients[1]) < backend_tolerance<T>());
+    CHECK(buffer_rel_err(gradients[0], host.grad_weight) < backend_tolerance<T>());
     WARN("update step of 12 depthwise blocks: " << costs[0].synchronizations << " synchronisations batched, "
                                                 << costs[1].synchronizations << " one by one");
     CHECK(costs[0].synchronizations < costs[1].synchronizations);

@@ -57,23 +57,24 @@ struct staged_backend : kfac::backend::cpu_eigen<Scalar> {
         staged_bytes() += count * sizeof(Scalar);
     }
 
+    using matrix = typename kfac::backend::cpu_eigen<Scalar>::matrix;
+    using vector = typename kfac::backend::cpu_eigen<Scalar>::vector;
+
     /// A device backend's prefetched decompositions (kfac/backend/batched_eigen.hpp), so the
     /// preconditioner's prefetch path runs here: every factor decomposed ahead by the CPU
     /// backend's own solver and kept, symmetric_eigen() returning the kept result (so the
     /// results are the CPU backend's, bitwise).
-    using vector = typename kfac::backend::cpu_eigen<Scalar>::vector;
-    using kept_eigen = kfac::backend::detail::prefetched_eigen<typename kfac::backend::cpu_eigen<Scalar>::matrix, vector>;
-    static void prefetch_symmetric_eigen(const std::vector<const typename kfac::backend::cpu_eigen<Scalar>::matrix*>& factors) {
+    using kept_eigen = kfac::backend::detail::prefetched_eigen<matrix, vector>;
+    static void prefetch_symmetric_eigen(const std::vector<const matrix*>& factors) {
         for (const auto* f : factors) {
-            typename kfac::backend::cpu_eigen<Scalar>::matrix q;
+            matrix q;
             vector lambda;
             if (kfac::backend::cpu_eigen<Scalar>::symmetric_eigen(*f, q, lambda))
                 kept_eigen::of_this_thread().put(f->data(), f->size(), std::move(q), std::move(lambda));
         }
     }
     static void clear_prefetched_eigen() noexcept { kept_eigen::of_this_thread().clear(); }
-    static bool symmetric_eigen(const typename kfac::backend::cpu_eigen<Scalar>::matrix& m,
-                                typename kfac::backend::cpu_eigen<Scalar>::matrix& q, vector& lambda) {
+    static bool symmetric_eigen(const matrix& m, matrix& q, vector& lambda) {
         if (kept_eigen::of_this_thread().take(m.data(), m.size(), q, lambda)) {
             ++prefetched_taken();
             return true;
@@ -85,7 +86,6 @@ struct staged_backend : kfac::backend::cpu_eigen<Scalar> {
     /// preconditioner's batched path runs here as it does for backend::cuda: each pair's
     /// non-finite entries, and its dot product as the CPU backend's frobenius_dot computes it
     /// (so kl_clip is the same, bitwise).
-    using matrix = typename kfac::backend::cpu_eigen<Scalar>::matrix;
     static void gradient_checks(const std::vector<const matrix*>& gammas, const std::vector<const matrix*>& ps,
                                 std::vector<std::int64_t>& non_finite, std::vector<double>& dots) {
         non_finite.assign(gammas.size(), 0);

@@ -55,6 +55,14 @@ double rel_err(const X& x, const R& r) {
     return den > 0 ? num / den : num;
 }
 
+/// rel_err of two buffers; buffers of different lengths differ entirely (1).
+template <class T>
+double buffer_rel_err(const std::vector<T>& x, const std::vector<T>& r) {
+    if (x.size() != r.size()) return 1.0;
+    using map = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>;
+    return rel_err(map(x.data(), static_cast<Eigen::Index>(x.size())), map(r.data(), static_cast<Eigen::Index>(r.size())));
+}
+
 /// Unit roundoff of T, the scale of every tolerance in the tests.
 template <class T>
 constexpr double eps() {

@@ -249,13 +249,7 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
 
     // --- checks and reductions (these synchronise) ----------------------------------------
 
-    static bool all_finite(const matrix& m) {
-        bool ok = false;
-        calls::launch("count_non_finite", [&] {
-            cuda_detail::note_blocking_download();
-            ok = kernels::count_non_finite(calls::sync_policy(), m.data(), m.size()) == 0; });
-        return ok;
-    }
+    static bool all_finite(const matrix& m) { return calls::all_finite(m); }
     static bool lower_all_finite(const matrix& m) {
         bool ok = false;
         calls::launch("count_non_finite",
@@ -307,16 +301,12 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
         if (chunk_bytes > 0) std::memcpy(table.data() + 2 * pointer_bytes + begin_bytes, chunks.data(), chunk_bytes);
         thread_local cuda_detail::device_buffer<unsigned char> device_table;
         thread_local cuda_detail::device_buffer<double> results;  // chunk dots, chunk counts, pair dots, pair counts
-        device_table.reserve(table.size());
         results.reserve(static_cast<std::size_t>(2 * (n_chunks + pairs)));
-        cuda_detail::note_upload();
-        cuda_detail::check(cudaMemcpyAsync(device_table.data(), table.data(), table.size(), cudaMemcpyHostToDevice,
-                                           cuda_detail::stream()),
-                           "cudaMemcpyAsync(gradient check tables)");
-        const auto* d_xs = reinterpret_cast<const Scalar* const*>(device_table.data());
-        const auto* d_ys = reinterpret_cast<const Scalar* const*>(device_table.data() + pointer_bytes);
-        const auto* d_begin = reinterpret_cast<const index*>(device_table.data() + 2 * pointer_bytes);
-        const auto* d_chunks = reinterpret_cast<const kernels::check_chunk*>(device_table.data() + 2 * pointer_bytes + begin_bytes);
+        const unsigned char* d_table = calls::upload_table(table, device_table, "cudaMemcpyAsync(gradient check tables)");
+        const auto* d_xs = reinterpret_cast<const Scalar* const*>(d_table);
+        const auto* d_ys = reinterpret_cast<const Scalar* const*>(d_table + pointer_bytes);
+        const auto* d_begin = reinterpret_cast<const index*>(d_table + 2 * pointer_bytes);
+        const auto* d_chunks = reinterpret_cast<const kernels::check_chunk*>(d_table + 2 * pointer_bytes + begin_bytes);
         double* chunk_dot = results.data();
         auto* chunk_bad = reinterpret_cast<std::int64_t*>(results.data() + n_chunks);
         double* pair_dot = results.data() + 2 * n_chunks;

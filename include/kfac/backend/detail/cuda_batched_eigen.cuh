@@ -73,18 +73,14 @@ private:
         thread_local device_buffer<Scalar> a, w, work;
         thread_local device_buffer<int> info;
         thread_local device_buffer<std::int64_t> status;
-        device_table.reserve(table.size());
         a.reserve(static_cast<std::size_t>(count * n * n));
         w.reserve(static_cast<std::size_t>(count * n));
         info.reserve(static_cast<std::size_t>(count));
         status.reserve(static_cast<std::size_t>(count));
-        note_upload();
-        check(cudaMemcpyAsync(device_table.data(), table.data(), table.size() * sizeof(void*), cudaMemcpyHostToDevice,
-                              stream()),
-              "cudaMemcpyAsync(batched eigen tables)");
-        const auto* d_inputs = reinterpret_cast<const Scalar* const*>(device_table.data());
-        auto* const* d_q = reinterpret_cast<Scalar* const*>(device_table.data() + count);
-        auto* const* d_lambda = reinterpret_cast<Scalar* const*>(device_table.data() + 2 * count);
+        void** d_table = calls::upload_table(table, device_table, "cudaMemcpyAsync(batched eigen tables)");
+        const auto* d_inputs = reinterpret_cast<const Scalar* const*>(d_table);
+        auto* const* d_q = reinterpret_cast<Scalar* const*>(d_table + count);
+        auto* const* d_lambda = reinterpret_cast<Scalar* const*>(d_table + 2 * count);
         calls::launch("gather_arrays", [&] { kernels::gather_arrays(calls::policy(), d_inputs, n * n, count, a.data()); });
         const syevj_parameters parameters;
         const int lwork = syevj_batched_workspace<Scalar>(calls::narrow(n), a.data(), w.data(), parameters,

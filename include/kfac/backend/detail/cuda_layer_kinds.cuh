@@ -57,7 +57,7 @@ struct cuda_layer_kinds {
             kernels::unit_wise_damped_inverse(base::policy(), blocks.data(), blocks.rows(), blocks.cols(), damping,
                                               out.data());
         });
-        return all_finite_values(out);
+        return base::all_finite(out);
     }
 
     static void unit_wise_multiply(const matrix& blocks, const matrix& gamma_t, matrix& p_t) {
@@ -84,7 +84,7 @@ struct cuda_layer_kinds {
         base::launch("damped_reciprocal", [&] {
             kernels::damped_reciprocal(base::policy(), column.data(), column.rows(), damping, out.data());
         });
-        return all_finite_values(out);
+        return base::all_finite(out);
     }
 
     static void scale_rows(matrix& m, const matrix& column) {
@@ -167,16 +167,6 @@ struct cuda_layer_kinds {
         out.extents[1] = per_group;
         out.space = memory_space::device;
         return out;
-    }
-
-private:
-    static bool all_finite_values(const matrix& m) {
-        bool ok = false;
-        base::launch("count_non_finite", [&] {
-            note_blocking_download();
-            ok = kernels::count_non_finite(base::sync_policy(), m.data(), m.size()) == 0;
-        });
-        return ok;
     }
 };
 

@@ -3,18 +3,21 @@
 /// @file cuda_storage.cuh
 /// What every part of the CUDA backend (kfac/backend/cuda.cuh) stands on: the device matrix
 /// type, the solver scratch of a thread, and device_calls<Scalar>, the checked ways to launch a
-/// Thrust kernel, to name a view's device pointer and to read a solver's status.
+/// Thrust kernel, to name a view's device pointer, to check a matrix's finiteness and to read a
+/// solver's status.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include <thrust/system/cuda/execution_policy.h>
 #include <thrust/system_error.h>
 
 #include "kfac/backend/detail/cuda_support.cuh"
+#include "kfac/backend/detail/device_kernels.cuh"
 #include "kfac/config.hpp"
 #include "kfac/layers/tensor_view.hpp"
 
@@ -121,6 +124,27 @@ struct device_calls {
                                            cuda_detail::stream()),
                            "cudaMemcpyAsync(host view)");
         return buffer.data();
+    }
+
+    /// `host`'s elements copied into `device` (grown as needed), queued on the stream: the
+    /// tables batched kernels read. A pageable source is staged before the call returns, so it
+    /// may go at once.
+    template <class T>
+    static T* upload_table(const std::vector<T>& host, device_buffer<T>& device, const char* what) {
+        device.reserve(host.size());
+        note_upload();
+        check(cudaMemcpyAsync(device.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream()), what);
+        return device.data();
+    }
+
+    /// Whether every element of `m` is finite (one reduction the host waits for).
+    static bool all_finite(const device_matrix<Scalar>& m) {
+        bool ok = false;
+        launch("count_non_finite", [&] {
+            note_blocking_download();
+            ok = kernels::count_non_finite(sync_policy(), m.data(), m.size()) == 0;
+        });
+        return ok;
     }
 
     /// devInfo: 0 success, > 0 a numerical failure (the caller keeps its previous data),

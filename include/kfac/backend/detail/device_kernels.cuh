@@ -30,6 +30,12 @@ namespace kfac::backend::kernels {
 
 using index = std::int64_t;
 
+/// 1 for NaN and ±Inf, 0 otherwise (x − x is NaN exactly then), on host and device alike.
+template <class T>
+KFAC_HOST_DEVICE index non_finite(T x) {
+    return (x - x) == (x - x) ? 0 : 1;
+}
+
 template <class Policy, class F>
 void for_each_index(Policy&& policy, index n, F f) {
     if (n <= 0) return;
@@ -201,8 +207,7 @@ struct non_finite_counter {
     index n;  // 0: every element; else only i ≥ j of an n × n matrix
     KFAC_HOST_DEVICE index operator()(index t) const {
         if (n > 0 && t % n < t / n) return 0;
-        const T x = m[t];
-        return (x - x) == (x - x) ? 0 : 1;  // NaN for NaN and ±Inf, 0 otherwise
+        return non_finite(m[t]);
     }
 };
 

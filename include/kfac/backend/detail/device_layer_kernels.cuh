@@ -268,8 +268,7 @@ void chunk_checks(Policy&& policy, const T* const* xs, const T* const* ys, const
         double s = 0.0;
         std::int64_t n = 0;
         for (index i = 0; i < k.count; ++i) {
-            n += (x[i] - x[i]) == (x[i] - x[i]) ? 0 : 1;  // NaN for NaN and ±Inf
-            n += (y[i] - y[i]) == (y[i] - y[i]) ? 0 : 1;
+            n += non_finite(x[i]) + non_finite(y[i]);
             s += static_cast<double>(x[i]) * static_cast<double>(y[i]);
         }
         dot[c] = s;
@@ -317,8 +316,8 @@ void batch_status(Policy&& policy, const int* info, const T* q, const T* w, inde
             return;
         }
         std::int64_t bad = 0;
-        for (index i = 0; i < n * n; ++i) bad += (q[b * n * n + i] - q[b * n * n + i]) == T(0) ? 0 : 1;
-        for (index i = 0; i < n; ++i) bad += (w[b * n + i] - w[b * n + i]) == T(0) ? 0 : 1;
+        for (index i = 0; i < n * n; ++i) bad += non_finite(q[b * n * n + i]);
+        for (index i = 0; i < n; ++i) bad += non_finite(w[b * n + i]);
         status[b] = bad;
     });
 }
