@@ -25,6 +25,23 @@ struct health_counters {
     std::int64_t skipped_factor_updates = 0;  ///< batch statistics with NaN/Inf, not applied
     std::int64_t kept_decompositions = 0;     ///< decompositions that failed; previous kept
     std::int64_t zeroed_gradients = 0;        ///< layers whose gradient was zeroed for a step
+    /// Steps skipped whole because, with options.loss_scale, their gradients or statistics
+    /// overflowed (README, "Precision").
+    std::int64_t skipped_steps = 0;
+    /// Decompositions that failed in the backend's type and were retried in double
+    /// (options.fp64_retry), whether the retry succeeded or not.
+    std::int64_t fp64_retries = 0;
+};
+
+/// What one step() did.
+struct step_result {
+    std::int64_t step = 0;        ///< its number k: the count of step() calls completed before it
+    bool factor_update = false;   ///< the running factors were updated
+    bool inverse_update = false;  ///< the second-order data was recomputed
+    /// With options.loss_scale: the step overflowed and was skipped (nothing changed, the
+    /// gradients were left as the host gave them, and the step was not counted).
+    bool skipped = false;
+    double kl_scale = 1.0;        ///< ν (1 when kl_clip is off, did not bind, or the step was skipped)
 };
 
 /// Dense factors a rank has computed second-order data for since construction (not saved in

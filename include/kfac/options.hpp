@@ -194,7 +194,33 @@ struct options {
     double allreduce_bucket_cap_mb = 25.0;
     /// Send only the lower triangle, n(n+1)/2 values, of each symmetric factor.
     bool symmetry_aware = false;
+
+    // Mixed precision (README, "Precision").
+    /// The loss scale s of mixed-precision training (> 0, finite): the host back-propagates
+    /// s·L, so its output gradients are s times the true ones, and the G statistics (a
+    /// normalisation layer's statistic) are divided by s², as kfac-pytorch divides the output
+    /// gradients by its GradScaler's scale. A schedule is read at every accumulate() and step():
+    /// `[&](std::int64_t) { return scaler.scale(); }` follows a dynamic scaler. With a loss scale
+    /// (a schedule, or a constant other than 1), a step whose gradients or statistics hold an
+    /// inf or a NaN on any rank (the scale was too large, and the scaler will skip the step) is
+    /// skipped whole: step() returns step_result::skipped, and nothing changes but
+    /// health().skipped_steps (README, "Precision"). Call the scaler's unscale before step():
+    /// the weight gradients must be the true ones.
+    hyperparameter<double> loss_scale{1.0};
+    /// Decompose (eigendecomposition or damped inverse) every dense factor in double, and
+    /// round the result to the backend's type: kronfluence's default, for a float backend whose
+    /// factors are ill-conditioned. Costs a double decomposition per factor (README,
+    /// "Precision"); a double backend already does this.
+    bool fp64_decompositions = false;
+    /// A float backend's decomposition that fails or returns non-finite values is retried once
+    /// in double (Distributed Shampoo's rule), counted in health().fp64_retries; only if the retry
+    /// fails too is the previous decomposition kept (README, "Non-finite values"). It changes
+    /// nothing for a decomposition that succeeds.
+    bool fp64_retry = true;
 };
+
+/// Whether options.loss_scale is in use (a schedule, or a constant other than 1).
+[[nodiscard]] inline bool loss_scaling(const options& o) { return o.loss_scale.is_schedule() || o.loss_scale(0) != 1.0; }
 
 namespace detail {
 
@@ -276,6 +302,11 @@ inline void check_lr(double lr, std::optional<std::int64_t> step = std::nullopt)
             option_text("lr", number_text(lr), step) + " is invalid: it must be finite and >= 0");
 }
 
+inline void check_loss_scale(double s, std::optional<std::int64_t> step = std::nullopt) {
+    require(std::isfinite(s) && s > 0.0,
+            option_text("loss_scale", number_text(s), step) + " is invalid: it must be finite and > 0 (1: no loss scaling)");
+}
+
 inline void check_interval(const char* name, std::int64_t v, std::optional<std::int64_t> step = std::nullopt) {
     require(v > 0, option_text(name, std::to_string(v), step) + " is invalid: it must be a positive number of steps");
 }
@@ -293,6 +324,7 @@ inline void validate(const options& o) {
     if (!o.lr.is_schedule()) detail::check_lr(o.lr(k0));
     if (!o.factor_update_steps.is_schedule()) detail::check_interval("factor_update_steps", o.factor_update_steps(k0));
     if (!o.inv_update_steps.is_schedule()) detail::check_interval("inv_update_steps", o.inv_update_steps(k0));
+    if (!o.loss_scale.is_schedule()) detail::check_loss_scale(o.loss_scale(k0));
     require(o.accumulation_steps > 0, "options.accumulation_steps = " +
                                           std::to_string(o.accumulation_steps) +
                                           " is invalid: it must be >= 1");

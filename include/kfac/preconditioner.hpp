@@ -27,6 +27,7 @@
 #include "kfac/detail/engine_registration.hpp"  // layers in
 #include "kfac/detail/engine_setup.hpp"         // options, configuration, placement, reports
 #include "kfac/detail/engine_read.hpp"          // plan: scheduled values and the host's views
+#include "kfac/detail/engine_loss_scale.hpp"    // overflow vote and skipped steps
 #include "kfac/detail/engine_factors.hpp"       // capture, end of pass, running factors
 #include "kfac/detail/engine_second_order.hpp"  // decompositions or inverses, shared
 #include "kfac/detail/engine_precondition.hpp"  // precondition, kl_clip, write-back, commit
@@ -96,6 +97,7 @@ public:
     /// One preconditioning step, the pipeline of K-FAC:
     ///   plan     read every scheduled option and every view the host's adapter gives, and
     ///            check them (agreed by all ranks, scheduled values included)
+    ///   overflow with a loss scale: skip the step if any rank's gradients overflowed
     ///   capture  this pass's factor statistics        (factor-update steps)
     ///   end pass tell the host its pass was read      (agreed by all ranks)
     ///   update   running factors, averaged over ranks (factor-update steps)
@@ -115,18 +117,25 @@ public:
     ///         A device or transport failure later in the step leaves it usable, with the
     ///         step not counted. An exception thrown by the on_non_finite callback propagates
     ///         after the step has completed and the gradients were written.
-    void step() {
+    /// With options.loss_scale, a step that overflowed on any rank stops after the plan
+    /// (`overflow` below) and changes nothing: see step_result::skipped.
+    step_result step() {
         engine_.setup();
         const detail::step_plan plan = engine_.read_plan();
+        if (engine_.overflowed(plan)) {  // overflow: the loss scale was too large for this step
+            engine_.skip();
+            return {plan.step, false, false, true, 1.0};
+        }
         const typename engine_type::blas_threads_guard blas_threads(engine_.serial_blas());
         typename engine_type::step_outcome outcome;
-        engine_.finish_pass(plan.factor_update);
+        engine_.finish_pass(plan.factor_update, plan.loss_scale);
         if (plan.factor_update) engine_.update_factors(plan, outcome);
         if (plan.inverse_update) engine_.update_second_order(plan, outcome);
         engine_.precondition_all(plan, outcome);
         const double scale = engine_.kl_clip_scale(plan);
         engine_.write_back(scale);
         engine_.commit(plan, scale, std::move(outcome));
+        return {plan.step, plan.factor_update, plan.inverse_update, false, scale};
     }
 
     /// Saves the state to `path` (kfac/checkpoint/format.hpp): the step count, every layer's

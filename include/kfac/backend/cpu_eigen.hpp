@@ -195,6 +195,25 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
         return all_finite(inverse);
     }
 
+    /// The decompositions in double (kfac/backend/fp64_decompositions.hpp): M widened exactly,
+    /// the result rounded once to Scalar.
+    static bool symmetric_eigen_fp64(const matrix& M, matrix& Q, vector& lambda) {
+        using wide = cpu_eigen<double>;
+        typename wide::matrix q;
+        typename wide::vector l;
+        if (!wide::symmetric_eigen(M.template cast<double>(), q, l)) return false;
+        Q = q.template cast<Scalar>();
+        lambda = l.template cast<Scalar>();
+        return all_finite(Q) && lambda.allFinite();
+    }
+    static bool damped_inverse_fp64(const matrix& M, double damping, matrix& inverse) {
+        using wide = cpu_eigen<double>;
+        typename wide::matrix i;
+        if (!wide::damped_inverse(M.template cast<double>(), damping, i)) return false;
+        inverse = i.template cast<Scalar>();
+        return all_finite(inverse);
+    }
+
     static void multiply(const matrix& A, bool trans_a, const matrix& B, bool trans_b, matrix& C) {
         const index m = trans_a ? A.cols() : A.rows();
         const index k = trans_a ? A.rows() : A.cols();

@@ -142,7 +142,7 @@ public:
             if (damping != 0.0) Backend::add_constant(out.lambda, static_cast<scalar>(damping));
             return true;
         } else {
-            return Method::invert(F, damping, out);
+            return Method::invert(F, damping, o, out);
         }
     }
     bool counts_basis(factor_side) const override { return true; }

@@ -66,6 +66,9 @@ struct state_dict {
     m[key::health_prefix + "skipped_factor_updates"] = std::to_string(s.health.skipped_factor_updates);
     m[key::health_prefix + "kept_decompositions"] = std::to_string(s.health.kept_decompositions);
     m[key::health_prefix + "zeroed_gradients"] = std::to_string(s.health.zeroed_gradients);
+    // Written once there is one, so that the files of runs without them stay as they were.
+    if (s.health.skipped_steps != 0) m[key::health_prefix + "skipped_steps"] = std::to_string(s.health.skipped_steps);
+    if (s.health.fp64_retries != 0) m[key::health_prefix + "fp64_retries"] = std::to_string(s.health.fp64_retries);
     m[key::checksum_scope] = checksum_scope_all;
     seal(a);  // last: the checksum digests every other entry
     return a;
@@ -111,6 +114,10 @@ struct state_dict {
     s.health.skipped_factor_updates = metadata_count(a, key::health_prefix + "skipped_factor_updates", source);
     s.health.kept_decompositions = metadata_count(a, key::health_prefix + "kept_decompositions", source);
     s.health.zeroed_gradients = metadata_count(a, key::health_prefix + "zeroed_gradients", source);
+    if (a.metadata.contains(key::health_prefix + "skipped_steps"))
+        s.health.skipped_steps = metadata_count(a, key::health_prefix + "skipped_steps", source);
+    if (a.metadata.contains(key::health_prefix + "fp64_retries"))
+        s.health.fp64_retries = metadata_count(a, key::health_prefix + "fp64_retries", source);
     s.tensors = std::move(a.tensors);
     return s;
 }

@@ -29,6 +29,7 @@
 #include <utility>
 
 #include "kfac/backend/eigenbasis_reuse.hpp"
+#include "kfac/backend/fp64_decompositions.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/options.hpp"
@@ -64,6 +65,9 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         matrix blocks;  ///< unit-wise blocks (C × k(k+1)/2), their own decomposition
         /// q is the previous decomposition's, kept under options.eigenbasis_reuse_tolerance
         bool reused_basis = false;
+        /// The decomposition failed in the backend's type and was retried in double
+        /// (options.fp64_retry); set whatever the retry's outcome.
+        bool fp64_retry = false;
     };
     struct layer_data {
         factor_data a, g;
@@ -85,8 +89,10 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     static bool decompose(const matrix& F, const options& o, const factor_data& previous, factor_data& out) {
         factor_data next;
         if (!reuse_basis(F, o.eigenbasis_reuse_tolerance, previous, next) &&
-            !Backend::symmetric_eigen(F, next.q, next.lambda))
+            !detail::symmetric_eigen_as_asked<Backend>(F, next.q, next.lambda, o, next.fp64_retry)) {
+            out.fp64_retry = next.fp64_retry;
             return false;
+        }
         Backend::clamp_nonnegative(next.lambda);
         out = std::move(next);
         return true;

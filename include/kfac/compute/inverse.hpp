@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "kfac/backend/fp64_decompositions.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/options.hpp"
@@ -36,6 +37,9 @@ struct compute_impl<compute::inverse, Backend> {
     struct factor_data {
         matrix inverse;  ///< n × n, n × 1 (the diagonal) for a diagonal factor, or unit-wise blocks
         bool diagonal = false;  ///< the inverse of a diagonal factor: a vector in a checkpoint
+        /// The inverse failed in the backend's type and was retried in double
+        /// (options.fp64_retry); set whatever the retry's outcome.
+        bool fp64_retry = false;
     };
     struct layer_data {
         factor_data a, g;
@@ -48,9 +52,9 @@ struct compute_impl<compute::inverse, Backend> {
     static basis_use basis_use_of(const factor_data&) { return basis_use::none; }
 
     /// (F + γI)⁻¹ of a dense factor; false when it is not finite.
-    static bool invert(const matrix& F, double damping, factor_data& out) {
+    static bool invert(const matrix& F, double damping, const options& o, factor_data& out) {
         matrix next;
-        if (!Backend::damped_inverse(F, static_cast<scalar>(damping), next)) return false;
+        if (!detail::damped_inverse_as_asked<Backend>(F, damping, next, o, out.fp64_retry)) return false;
         out.inverse = std::move(next);
         out.diagonal = false;
         return true;

@@ -131,8 +131,9 @@ public:
     /// Every scheduled option and every view the step reads, checked by every rank.
     step_plan read_plan();
     [[nodiscard]] bool serial_blas() const noexcept { return serial_blas_; }
-    /// This pass's statistics (factor-update steps), then the host's end_pass(), agreed.
-    void finish_pass(bool factor_update);
+    /// This pass's statistics (factor-update steps; G divided by loss_scale²), then the
+    /// host's end_pass(), agreed.
+    void finish_pass(bool factor_update, double loss_scale = 1.0);
     /// accumulate(): the pass folded into the step's statistics.
     void accumulate();
     /// Running averages of the factors, averaged over ranks.
@@ -161,6 +162,14 @@ public:
     void write_back(double scale);
     /// Counts the step and the health counters, then reports the non-finite events.
     void commit(const step_plan& plan, double scale, step_outcome outcome);
+
+    // ---- loss scaling (engine_loss_scale.hpp) ----
+    /// With options.loss_scale: whether any rank's gradients or statistics of this step hold
+    /// an inf or a NaN (the same answer on every rank). Collective when loss scaling is on.
+    [[nodiscard]] bool overflowed(const step_plan& plan);
+    /// The overflowed step, skipped: the host's pass is read (end_pass), the statistics of
+    /// the step's passes dropped, and nothing else changes but health().skipped_steps.
+    void skip();
 
     // ---- checkpoints (engine_checkpoint.hpp) ----
     /// Every layer's state gathered onto rank 0 by the plan (std::nullopt on the other ranks),
@@ -319,6 +328,7 @@ private:
     bool applied_in_step_ = false;  // some layer was applied in a pass accumulate() folded in
     bool started_ = false;
     double last_kl_scale_ = 1.0;
+    double pass_loss_scale_ = 1.0;  // options.loss_scale as read for the pass being captured
     /// ⟨P, Γ⟩ per layer from the last batched gradient checks (backend_with_gradient_checks).
     std::vector<double> gradient_dots_;
     double second_order_damping_ = 0.0;  // of the last inverse update (checkpoints record it)

@@ -23,9 +23,11 @@ template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::accumulate() {
     setup();
     bool factor_update = false;
+    double loss_scale = 1.0;
     agree_on([&] {
         factor_update = detail::is_factor_update_step(options_, steps_);
         if (!factor_update) return;
+        loss_scale = detail::read_loss_scale<scalar_type>(options_, steps_);
         if (passes_ + 1 >= options_.accumulation_steps)
             throw error("accumulate() called " + std::to_string(passes_ + 1) +
                         " times in one step with accumulation_steps = " + std::to_string(options_.accumulation_steps) +
@@ -33,12 +35,15 @@ void engine<Backend, CommPolicy, ComputeMethod>::accumulate() {
                         "step() takes the last pass");
         check_statistics();
     });
+    std::vector<config_item> scheduled;
     if (options_.factor_update_steps.is_schedule())
-        check_items_agree({{"options.factor_update_steps at step " + std::to_string(steps_),
-                            factor_update ? "a factor update" : "no factor update"}},
-                          "the values of the scheduled options", schedule_fix);
+        scheduled.push_back({"options.factor_update_steps at step " + std::to_string(steps_),
+                             factor_update ? "a factor update" : "no factor update"});
+    if (options_.loss_scale.is_schedule())
+        scheduled.push_back({"options.loss_scale at step " + std::to_string(steps_), exact_number_text(loss_scale)});
+    if (!scheduled.empty()) check_items_agree(scheduled, "the values of the scheduled options", schedule_fix);
     const blas_threads_guard blas_threads(serial_blas_);
-    finish_pass(factor_update);
+    finish_pass(factor_update, loss_scale);
     if (factor_update) {
         for (auto& l : layers_) {
             l.statistics.captured_rows = total_rows(l);
@@ -99,6 +104,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::capture_pass() {
             for (std::size_t i = 0; i < a.size(); ++i)
                 scales.push_back(per_example_scales(block, a[i], g[i], options_.conv_patches));
         }
+        if (pass_loss_scale_ != 1.0) without_loss_scale(scales, a.size(), d, pass_loss_scale_);
         blocks::statistic_pass<scalar_type> pass{std::move(a),
                                                  std::move(g),
                                                  passes_ == 0 ? 0 : l.statistics.captured_applications,
@@ -124,7 +130,8 @@ void engine<Backend, CommPolicy, ComputeMethod>::end_pass() {
 /// or the host's gradients change; if either fails (on any rank), the statistics that
 /// accumulate() folded in before are put back, so a retry sees the step as it was.
 template <class Backend, class CommPolicy, class ComputeMethod>
-void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update) {
+void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update, double loss_scale) {
+    pass_loss_scale_ = loss_scale;
     std::vector<std::pair<matrix, matrix>> folded;  // a_sum, g_sum before this pass (accumulate() passes only)
     if (factor_update && passes_ > 0)
         for (const auto& l : layers_) folded.emplace_back(l.statistics.a_sum, l.statistics.g_sum);

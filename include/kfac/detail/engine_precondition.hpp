@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kfac/detail/engine.hpp"
+#include "kfac/detail/view_conversion.hpp"
 
 namespace kfac::detail {
 
@@ -103,7 +104,12 @@ double engine<Backend, CommPolicy, ComputeMethod>::kl_clip_scale(const step_plan
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::write_back(double scale) {
     for (auto& l : layers_)
-        if (l.scratch.active) in_layer(l, [&] { l.block->store_gradient(l, static_cast<scalar_type>(scale)); });
+        if (l.scratch.active)
+            in_layer(l, [&] {
+                l.block->store_gradient(l, static_cast<scalar_type>(scale));
+                detail::store_converted(l.scratch.weight_copy, l.scratch.host_weight_gradient);
+                detail::store_converted(l.scratch.bias_copy, l.scratch.host_bias_gradient);
+            });
 }
 
 /// The step is done: count it, then tell the host what was contained. The callback runs
@@ -119,6 +125,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::commit(const step_plan& plan, d
     health_.skipped_factor_updates += outcome.health.skipped_factor_updates;
     health_.kept_decompositions += outcome.health.kept_decompositions;
     health_.zeroed_gradients += outcome.health.zeroed_gradients;
+    health_.fp64_retries += outcome.health.fp64_retries;
     ++steps_;
     if (!on_non_finite_) return;
     std::exception_ptr first;

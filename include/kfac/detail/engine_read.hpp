@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kfac/detail/engine.hpp"
 #include "kfac/detail/group_views.hpp"
+#include "kfac/detail/view_conversion.hpp"
 
 namespace kfac::detail {
 
@@ -42,7 +44,7 @@ template <class Backend, class CommPolicy, class ComputeMethod>
 bool engine<Backend, CommPolicy, ComputeMethod>::has_schedule() const {
     const options& o = options_;
     return o.damping.is_schedule() || o.factor_decay.is_schedule() || o.lr.is_schedule() || o.kl_clip.is_schedule() ||
-           o.factor_update_steps.is_schedule() || o.inv_update_steps.is_schedule();
+           o.factor_update_steps.is_schedule() || o.inv_update_steps.is_schedule() || o.loss_scale.is_schedule();
 }
 
 /// A schedule is the host's code, and may return another value on some rank (from a
@@ -62,6 +64,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::agree_on_scheduled_values(const
         {"options.factor_decay" + at, exact_number_text(plan.factor_decay)},
         {"options.kl_clip" + at, plan.kl_clip ? exact_number_text(*plan.kl_clip) : "none"},
         {"options.lr" + at, exact_number_text(plan.lr)}};
+    if (loss_scaling(options_)) items.push_back({"options.loss_scale" + at, exact_number_text(plan.loss_scale)});
     check_items_agree(items, "the values of the scheduled options", schedule_fix);
 }
 
@@ -88,10 +91,13 @@ void engine<Backend, CommPolicy, ComputeMethod>::agree_on_gradient_presence() {
 }
 
 /// Reads the pass from the host's adapter (scratch.applications, .activations and
-/// .output_gradients: capture_pass() asks the adapter nothing) and checks every view.
+/// .output_gradients: capture_pass() asks the adapter nothing) and checks every view. Views in
+/// another format than the compute type are converted here, once per layer: the records of a
+/// grouped convolution's groups share the reading of their layer's views.
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::check_statistics() {
-    for (auto& l : layers_)
+    for (std::size_t k = 0; k < layers_.size(); ++k) {
+        auto& l = layers_[k];
         in_layer(l, [&] {
             auto& s = l.scratch;
             s.activations.clear();
@@ -102,13 +108,31 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_statistics() {
                 throw layer_error(named(l),
                                   "the adapter's applications() returned " + std::to_string(s.applications) +
                                       "; it counts calls of the layer in the pass (0 when it was not called)");
+            const layer_record* same_layer = k > 0 && l.host.group > 0 ? &layers_[k - 1] : nullptr;
+            if (same_layer != nullptr && same_layer->role.holds_factors &&
+                same_layer->scratch.applications == s.applications) {
+                s.activations = same_layer->scratch.activations;  // checked and converted there
+                s.output_gradients = same_layer->scratch.output_gradients;
+                return;
+            }
+            s.converted.resize(2 * static_cast<std::size_t>(s.applications));
             for (std::int64_t i = 0; i < s.applications; ++i) {
-                s.activations.push_back(l.host.activations_of(i));
-                s.output_gradients.push_back(l.host.output_gradients_of(i));
+                const auto a = l.host.activations_of(i);
+                const auto g = l.host.output_gradients_of(i);
+                const named_layer who = named(l);
+                for (const auto& [view, what] : {std::pair{&a, "activations"}, std::pair{&g, "output gradients"}}) {
+                    detail::check_extents(who, what, *view);
+                    detail::check_memory_space(who, what, *view, device_backend, device_probe);
+                    detail::check_convertible<scalar_type>(who, what, *view);
+                }
+                const auto j = 2 * static_cast<std::size_t>(i);
+                s.activations.push_back(detail::in_compute_precision(a, s.converted[j]));
+                s.output_gradients.push_back(detail::in_compute_precision(g, s.converted[j + 1]));
                 detail::check_statistics_views(l.host.name, l.host.description, s.activations.back(),
                                                s.output_gradients.back(), steps_, device_backend, device_probe);
             }
         });
+    }
 }
 
 /// A factor-update step in which no layer was applied at all has nothing to learn from:
@@ -128,19 +152,25 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_some_layer_applied() cons
 }
 
 /// Marks the layers that have a gradient this step (scratch.active), reads their gradient
-/// views (the record's group rows, into scratch: the step asks the adapter nothing later)
-/// and checks them.
+/// views (the record's group rows, into scratch: the step asks the adapter nothing later;
+/// copies in the compute type when the host's format differs) and checks them.
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::check_gradients() {
     for (auto& l : layers_)
         in_layer(l, [&] {
-            l.scratch.active = l.host.gradient_present();
-            if (!l.scratch.active) return;
+            auto& s = l.scratch;
+            s.active = l.host.gradient_present();
+            if (!s.active) return;
             const auto w = l.host.weight_gradient(l.host.layer);
             const auto b = l.host.bias_gradient(l.host.layer);
             detail::check_gradient_views(l.host.name, l.host.description, w, b, device_backend, device_probe);
-            l.scratch.weight_gradient = detail::group_rows(w, l.host.group, l.host.description.groups());
-            l.scratch.bias_gradient = detail::group_rows(b, l.host.group, l.host.description.groups());
+            const named_layer who = named(l);
+            detail::check_convertible<scalar_type>(who, "weight gradient", w);
+            detail::check_convertible<scalar_type>(who, "bias gradient", b);
+            s.host_weight_gradient = group_rows(w, l.host.group, l.host.description.groups());
+            s.host_bias_gradient = group_rows(b, l.host.group, l.host.description.groups());
+            s.weight_gradient = detail::in_compute_precision(s.host_weight_gradient, s.weight_copy);
+            s.bias_gradient = detail::in_compute_precision(s.host_bias_gradient, s.bias_copy);
         });
 }
 

@@ -55,15 +55,11 @@ auto engine<Backend, CommPolicy, ComputeMethod>::make_records(const std::string&
     static_assert(detail::check_layer_adapter<Layer>());
     if constexpr (layer_adapter<Layer>) {
         using traits = layer_traits<Layer>;
-        static_assert(std::is_same_v<typename traits::scalar_type, scalar_type>,
-                      "kfac: the layer's layer_traits<Layer>::scalar_type differs from the "
-                      "backend's scalar type; use a double backend (cpu_eigen<double>, cuda<double>) "
-                      "for double layers and a float one for float layers.");
         if (steps_ > 0 || started_)
             throw error("layer '" + name +
                         "': register_layer() after the first accumulate() "
                         "or step(); register every layer before training starts");
-        const void* object = detail::bind_layer<scalar_type>(layer).layer;
+        const void* object = detail::bind_layer(layer).layer;
         layer_description d = traits::describe(layer);
         const std::int64_t groups = d.groups() > 1 ? d.groups() : 1;
         const std::string block_prefix = name + "/group";
@@ -91,7 +87,7 @@ auto engine<Backend, CommPolicy, ComputeMethod>::make_records(const std::string&
         std::vector<layer_record> records(static_cast<std::size_t>(d.groups()));
         for (std::int64_t j = 0; j < d.groups(); ++j) {
             auto& r = records[static_cast<std::size_t>(j)];
-            r.host = detail::bind_layer<scalar_type>(layer);
+            r.host = detail::bind_layer(layer);
             r.host.name = block_name(j);
             r.host.registered_name = name;
             r.host.group = j;

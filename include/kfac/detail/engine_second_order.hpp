@@ -97,6 +97,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
         auto& r = results[i];
         const auto& p = l.role;
         if (p.computes_a || p.computes_g) {
+            outcome.health.fp64_retries += (p.computes_a && r.a.fp64_retry ? 1 : 0) + (p.computes_g && r.g.fp64_retry ? 1 : 0);
             if (r.ok_a && r.ok_g) {
                 count_bases(l, r.a, r.g);
                 if (p.computes_a) l.state.second.a = std::move(r.a);

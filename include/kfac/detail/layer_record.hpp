@@ -19,6 +19,7 @@
 #include "kfac/detail/group_views.hpp"
 #include "kfac/detail/layer_binding.hpp"
 #include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/number_view.hpp"
 #include "kfac/layers/tensor_view.hpp"
 
 namespace kfac::blocks {
@@ -78,14 +79,22 @@ struct layer_scratch {
     /// steps), and the record's rows of the gradient buffers (when active). The rest of the
     /// call works from these, so an adapter that throws can only throw where every rank agrees,
     /// before anything changes.
+    /// The views as the compute type reads them: the host's own, or copies in `converted`
+    /// and weight_copy/bias_copy when the host's format differs (view_conversion.hpp).
     std::int64_t applications = 0;
     std::vector<tensor_view<const scalar>> activations, output_gradients;
     tensor_view<scalar> weight_gradient, bias_gradient;
+    /// Compute-type copies of views in another format: [2i] application i's activations,
+    /// [2i + 1] its output gradients (held from the checks to the end of the pass).
+    std::vector<std::vector<scalar>> converted;
+    std::vector<scalar> weight_copy, bias_copy;
+    /// The host's gradient views (the record's rows), written back from the copies.
+    number_view<void> host_weight_gradient, host_bias_gradient;
 };
 
 template <class Backend, class Method>
 struct layer_record {
-    layer_binding<typename Backend::scalar_type> host;
+    layer_binding host;
     /// The operations of its block kind (kfac/blocks/kinds.hpp): everything that depends on
     /// how its factors are structured.
     const blocks::block<Backend, Method>* block = nullptr;

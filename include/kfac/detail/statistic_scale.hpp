@@ -19,6 +19,7 @@
 /// blocks are means over rows of t tᵀ with t linear in g: S·N², like G times the A side's S.
 
 #include <cstdint>
+#include <vector>
 
 #include "kfac/detail/statistics_views.hpp"
 #include "kfac/layers/im2col.hpp"
@@ -58,6 +59,17 @@ template <class T>
     const auto s_a = static_cast<double>(grid.positions());
     const auto s_g = static_cast<double>(g.extent(2) * g.extent(3));
     return {s_a * s_a * s_a, n2 * s_g * s_g};
+}
+
+/// Divides the statistics quadratic in the output gradients by s², s the loss scale the host
+/// multiplied its loss by: G's (a normalisation layer's one statistic, A's). For the power of
+/// two a dynamic scaler uses, s² and 1/s² are exact, and so is the division (but for results
+/// below the normal range), the same as kfac-pytorch's division of each output gradient by s.
+inline void without_loss_scale(std::vector<statistic_scales>& scales, std::size_t applications,
+                               const layer_description& d, double s) {
+    if (scales.empty()) scales.assign(applications, statistic_scales{});
+    const double inverse_square = 1.0 / (s * s);
+    for (auto& scale : scales) (is_normalization(d.kind) ? scale.a : scale.g) *= inverse_square;
 }
 
 }  // namespace kfac::detail

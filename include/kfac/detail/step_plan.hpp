@@ -7,6 +7,7 @@
 /// reads the plan inside its cross-rank agreement).
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 
 #include "kfac/options.hpp"
@@ -21,7 +22,24 @@ struct step_plan {
     double factor_decay = 0.0;    ///< read on factor-update steps only
     std::optional<double> kl_clip;
     double lr = 0.0;              ///< read only when kl_clip is set (it only scales ν)
+    double loss_scale = 1.0;      ///< read on factor-update steps with loss scaling
 };
+
+/// options.loss_scale at step k, checked: finite, > 0, and such that s² and 1/s² are normal
+/// numbers of the compute type (the statistics are divided by s²).
+template <class Scalar>
+double read_loss_scale(const options& o, std::int64_t k) {
+    if (!loss_scaling(o)) return 1.0;
+    const double s = o.loss_scale(k);
+    check_loss_scale(s, k);
+    const double square = s * s;
+    require(square <= static_cast<double>(std::numeric_limits<Scalar>::max()) &&
+                1.0 / square >= static_cast<double>(std::numeric_limits<Scalar>::min()),
+            option_text("loss_scale", number_text(s), k) +
+                " is out of the compute type's range: s² and 1/s² must be normal numbers of it; a scaler's "
+                "scale beyond 2^60 means its steps keep succeeding without overflow, so cap its growth");
+    return s;
+}
 
 /// Whether step k updates the factors (all accumulate() needs to know).
 inline bool is_factor_update_step(const options& o, std::int64_t k) {
@@ -46,6 +64,7 @@ step_plan read_step_plan(const options& o, std::int64_t k) {
     if (p.factor_update) {
         p.factor_decay = o.factor_decay(k);
         check_factor_decay(p.factor_decay, k);
+        p.loss_scale = read_loss_scale<Scalar>(o, k);
     }
     p.kl_clip = o.kl_clip(k);
     check_kl_clip(p.kl_clip, k);

@@ -36,25 +36,25 @@ public:
     explicit any_layer(Layer& layer) : binding_(make(layer)) {}
 
     [[nodiscard]] const layer_description& description() const noexcept { return binding_.description; }
-    [[nodiscard]] const detail::layer_binding<Scalar>& binding() const noexcept { return binding_; }
+    [[nodiscard]] const detail::layer_binding& binding() const noexcept { return binding_; }
 
 private:
     template <class Layer>
-    static detail::layer_binding<Scalar> make(Layer& layer) {
+    static detail::layer_binding make(Layer& layer) {
         static_assert(detail::check_layer_adapter<Layer>());
         static_assert(std::is_same_v<typename layer_traits<Layer>::scalar_type, Scalar>,
                       "kfac::any_layer<Scalar>: the layer's layer_traits<Layer>::scalar_type differs from Scalar");
-        return detail::bind_layer<Scalar>(layer);
+        return detail::bind_layer(layer);
     }
 
-    detail::layer_binding<Scalar> binding_;
+    detail::layer_binding binding_;
 };
 
 namespace detail {
 
 /// An any_layer binds as the layer it wraps.
 template <class Scalar>
-layer_binding<Scalar> bind_layer(any_layer<Scalar>& layer) {
+layer_binding bind_layer(any_layer<Scalar>& layer) {
     return layer.binding();
 }
 
@@ -68,13 +68,19 @@ struct layer_traits<any_layer<Scalar>> {
     using layer = any_layer<Scalar>;
     static layer_description describe(const layer& l) { return l.description(); }
     static std::int64_t applications(const layer& l) { return l.binding().applications_now(); }
-    static tensor_view<const Scalar> activations(const layer& l, std::int64_t i) { return l.binding().activations_of(i); }
+    static tensor_view<const Scalar> activations(const layer& l, std::int64_t i) {
+        return l.binding().activations_of(i).template as<const Scalar>();
+    }
     static tensor_view<const Scalar> output_gradients(const layer& l, std::int64_t i) {
-        return l.binding().output_gradients_of(i);
+        return l.binding().output_gradients_of(i).template as<const Scalar>();
     }
     static bool has_gradient(const layer& l) { return l.binding().gradient_present(); }
-    static tensor_view<Scalar> weight_gradient(layer& l) { return l.binding().weight_gradient(l.binding().layer); }
-    static tensor_view<Scalar> bias_gradient(layer& l) { return l.binding().bias_gradient(l.binding().layer); }
+    static tensor_view<Scalar> weight_gradient(layer& l) {
+        return l.binding().weight_gradient(l.binding().layer).template as<Scalar>();
+    }
+    static tensor_view<Scalar> bias_gradient(layer& l) {
+        return l.binding().bias_gradient(l.binding().layer).template as<Scalar>();
+    }
     static void end_pass(layer& l) {
         if (l.binding().end_pass) l.binding().end_pass(l.binding().layer);
     }

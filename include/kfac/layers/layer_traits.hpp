@@ -8,7 +8,7 @@
 ///
 /// ```
 /// template <> struct kfac::layer_traits<MyLayer> {
-///     using scalar_type = float;                            // float or double
+///     using scalar_type = float;  // float, double, or bf16/fp16 (kfac/precision.hpp)
 ///     static kfac::layer_description describe(const MyLayer&);   // kind and shapes
 ///     // Input of the last forward pass: Linear [..., in] (leading dims are flattened into
 ///     // rows), Conv2d [N, C_in, H, W], Conv1d [N, C_in, L], Embedding the token ids
@@ -29,6 +29,12 @@
 /// activations() and output_gradients() are read only on factor-update steps (by
 /// preconditioner::accumulate() and step()); the gradients on every step().
 /// The views must stay valid until the call that reads them returns.
+///
+/// scalar_type need not be the backend's: views in another format are read into the
+/// backend's compute type (exactly, but for double into float, which rounds), statistics are
+/// formed there, and the preconditioned gradient is rounded once back into scalar_type. A
+/// 16-bit scalar_type is any type declared through kfac::number_format: Eigen::bfloat16 and
+/// Eigen::half (kfac/layers/eigen_number_formats.hpp), LibTorch's and CUDA's.
 ///
 /// ## Optional members
 ///
@@ -63,6 +69,7 @@
 
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/tensor_view.hpp"
+#include "kfac/precision.hpp"
 
 namespace kfac {
 
@@ -74,6 +81,9 @@ namespace detail {
 
 template <class L>
 concept traits_have_scalar_type = requires { typename layer_traits<L>::scalar_type; };
+
+template <class L>
+concept traits_have_number_scalar = traits_have_scalar_type<L> && number_type<typename layer_traits<L>::scalar_type>;
 
 template <class L>
 concept traits_have_describe = requires(const L& l) {
@@ -138,7 +148,7 @@ concept traits_have_bias_gradient = traits_have_scalar_type<L> && requires(L& l)
 /// True when `layer_traits<Layer>` provides every member listed above.
 template <class Layer>
 concept layer_adapter =
-    detail::traits_have_scalar_type<Layer> && detail::traits_have_describe<Layer> &&
+    detail::traits_have_number_scalar<Layer> && detail::traits_have_describe<Layer> &&
     detail::traits_have_statistics<Layer> && detail::traits_have_weight_gradient<Layer> &&
     detail::traits_have_bias_gradient<Layer>;
 
@@ -154,6 +164,10 @@ consteval bool check_layer_adapter() {
                   "kfac::layer_traits<Layer> has no `scalar_type`: this layer type has no "
                   "adapter. Specialise kfac::layer_traits for it (see kfac/layers/layer_traits.hpp) "
                   "or wrap it in kfac::layer_view.");
+    static_assert(!traits_have_scalar_type<Layer> || traits_have_number_scalar<Layer>,
+                  "kfac::layer_traits<Layer>::scalar_type is not an element type kfac reads: use float, "
+                  "double, or a bf16/fp16 type declared through kfac::number_format (Eigen::bfloat16 and "
+                  "Eigen::half with kfac/layers/eigen_number_formats.hpp; see kfac/precision.hpp).");
     static_assert(traits_have_describe<Layer>,
                   "kfac::layer_traits<Layer> lacks `static layer_description describe(const Layer&)`.");
     static_assert(traits_have_activations<Layer> || traits_have_applications<Layer>,

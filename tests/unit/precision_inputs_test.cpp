@@ -1,0 +1,285 @@
+// SPDX-License-Identifier: Apache-2.0
+// Views in another format than the backend computes in: bf16/fp16 read exactly, double into
+// float rounded once, every conversion to a 16-bit format rounded once to nearest (ties to
+// even), and the preconditioned gradient written back in the view's own format.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <limits>
+#include <random>
+
+#include <kfac/detail/number_conversion.hpp>
+
+#include "unit/layer_kinds.hpp"
+#include "unit/test_util.hpp"
+
+using namespace kfac_test;
+using kfac::precision;
+
+namespace {
+
+/// Every finite non-negative value of a 16-bit format, in increasing order with its bits
+/// (the positive patterns of both formats increase with their bits).
+std::vector<std::pair<double, std::uint16_t>> finite_values(precision f) {
+    std::vector<std::pair<double, std::uint16_t>> out;
+    const std::uint16_t last = f == precision::bf16 ? 0x7F7F : 0x7BFF;
+    for (std::uint32_t b = 0; b <= last; ++b) {
+        const auto bits = static_cast<std::uint16_t>(b);
+        out.emplace_back(kfac::detail::element_as_double(&bits, 0, f), bits);
+    }
+    return out;
+}
+
+/// The definition of rounding to nearest, ties to even: the nearest finite value of the
+/// format (the even pattern of two at equal distance), infinity from half an ulp above the
+/// largest; found by search over every value, not by the bit manipulation under test.
+std::uint16_t nearest_in_format(double x, precision f, const std::vector<std::pair<double, std::uint16_t>>& values) {
+    const std::uint16_t sign = std::signbit(x) ? 0x8000 : 0;
+    const double m = std::abs(x);
+    const auto top = values.back();
+    const double top_ulp = top.first - values[values.size() - 2].first;
+    if (m >= top.first + top_ulp / 2) return sign | (f == precision::bf16 ? 0x7F80 : 0x7C00);
+    auto hi = std::lower_bound(values.begin(), values.end(), std::pair{m, std::uint16_t{0}});
+    if (hi == values.end()) return sign | top.second;
+    if (hi->first == m || hi == values.begin()) return sign | hi->second;
+    const auto lo = hi - 1;
+    const double dl = m - lo->first, dh = hi->first - m;
+    if (dl < dh) return sign | lo->second;
+    if (dh < dl) return sign | hi->second;
+    return sign | ((lo->second & 1) == 0 ? lo->second : hi->second);
+}
+
+/// Doubles spread over the formats' whole ranges (normals, subnormals, overflow), with the
+/// ties and near-ties that catch double rounding.
+std::vector<double> probe_values(precision f, std::uint32_t seed) {
+    std::mt19937_64 gen(seed);
+    std::uniform_real_distribution<double> exponent(f == precision::bf16 ? -140.0 : -28.0,
+                                                    f == precision::bf16 ? 129.0 : 17.0);
+    std::uniform_real_distribution<double> unit(1.0, 2.0);
+    std::vector<double> xs;
+    for (int i = 0; i < 20000; ++i) {
+        const double x = unit(gen) * std::exp2(std::floor(exponent(gen)));
+        xs.push_back(i % 2 == 0 ? x : -x);
+    }
+    const auto values = finite_values(f);
+    for (std::size_t i = 1; i < values.size(); i += 97) {  // midpoints, and a hair either side
+        const double mid = (values[i - 1].first + values[i].first) / 2;
+        for (double x : {mid, std::nextafter(mid, 0.0), std::nextafter(mid, 1e300)}) xs.push_back(x);
+    }
+    return xs;
+}
+
+}  // namespace
+
+TEST_CASE("16-bit formats widen exactly", "[precision]") {
+    using kfac::detail::element_as_double;
+    const auto value = [](std::uint16_t bits, precision f) { return element_as_double(&bits, 0, f); };
+    CHECK(value(0x3F80, precision::bf16) == 1.0);
+    CHECK(value(0xC040, precision::bf16) == -3.0);
+    CHECK(value(0x7F7F, precision::bf16) == kfac::largest_finite(precision::bf16));
+    CHECK(value(0x0001, precision::bf16) == 0x1p-133);  // smallest subnormal
+    CHECK(value(0x3C00, precision::fp16) == 1.0);
+    CHECK(value(0x7BFF, precision::fp16) == 65504.0);
+    CHECK(value(0x0001, precision::fp16) == 0x1p-24);   // smallest subnormal
+    CHECK(value(0x0400, precision::fp16) == 0x1p-14);   // smallest normal
+    CHECK(value(0x83FF, precision::fp16) == -1023 * 0x1p-24);
+    CHECK(std::isinf(value(0x7C00, precision::fp16)));
+    CHECK(std::isnan(value(0x7E00, precision::fp16)));
+    CHECK(std::isinf(value(0xFF80, precision::bf16)));
+}
+
+TEST_CASE("narrowing to bf16 and fp16 rounds once to nearest, ties to even", "[precision]") {
+    for (precision f : {precision::bf16, precision::fp16}) {
+        const auto values = finite_values(f);
+        std::size_t wrong_double = 0, wrong_float = 0;
+        for (double x : probe_values(f, 7)) {
+            std::uint16_t got = 0;
+            kfac::detail::narrow(&x, 1, f, &got);
+            if (got != nearest_in_format(x, f, values)) ++wrong_double;
+            const auto xf = static_cast<float>(x);
+            kfac::detail::narrow(&xf, 1, f, &got);
+            if (got != nearest_in_format(static_cast<double>(xf), f, values)) ++wrong_float;
+        }
+        INFO(kfac::precision_name(f));
+        CHECK(wrong_double == 0);
+        CHECK(wrong_float == 0);
+    }
+    // 1 + 2^-8 + 2^-40 is above bf16's tie between 1 and 1 + 2^-7, and goes up; rounded
+    // through float first (to 1 + 2^-8, the tie) it would go to 1.
+    const double above_tie = 1.0 + 0x1p-8 + 0x1p-40;
+    std::uint16_t bits = 0;
+    kfac::detail::narrow(&above_tie, 1, precision::bf16, &bits);
+    CHECK(bits == 0x3F81);
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    kfac::detail::narrow(&nan, 1, precision::fp16, &bits);
+    CHECK(std::isnan(kfac::detail::element_as_double(&bits, 0, precision::fp16)));
+}
+
+namespace {
+
+/// The values rounded to nearest U.
+template <class U>
+std::vector<U> to_format(const std::vector<double>& v) {
+    std::vector<U> r(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) {
+        if constexpr (std::is_floating_point_v<U>) r[i] = static_cast<U>(v[i]);
+        else kfac::detail::narrow(&v[i], 1, kfac::precision_of<U>, &r[i]);
+    }
+    return r;
+}
+
+/// A layer of element type U holding `src`'s values converted to U (rounded to nearest).
+template <class U>
+owned_layer<U> as_layer_of(const owned_layer<double>& src) {
+    owned_layer<U> out;
+    out.view.description = src.view.description;
+    out.input_shape = src.input_shape;
+    out.output_shape = src.output_shape;
+    out.input = to_format<U>(src.input);
+    out.grad_output = to_format<U>(src.grad_output);
+    out.grad_weight = to_format<U>(src.grad_weight);
+    out.grad_bias = to_format<U>(src.grad_bias);
+    out.bind();
+    return out;
+}
+
+template <class U>
+std::vector<double> widened(const std::vector<U>& v) {
+    std::vector<double> r(v.size());
+    kfac::detail::widen(v.data(), static_cast<std::int64_t>(v.size()), kfac::precision_of<U>, r.data());
+    return r;
+}
+
+/// Two steps (factor and inverse updates, new gradients between: seeded values rounded to V,
+/// held in U) of every layer kind.
+template <class Compute, class V, class U>
+std::vector<owned_layer<U>> run_two_steps(std::vector<owned_layer<U>> layers,
+                                          kfac::KFAC<kfac::backend::cpu_eigen<Compute>>& p) {
+    for (auto& l : layers) l.bind();
+    for (std::size_t i = 0; i < layers.size(); ++i) p.register_layer("l" + std::to_string(i), layers[i].view);
+    p.step();
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+        auto& l = layers[i];
+        const auto r = random_vector<double>(l.grad_weight.size(), 900 + static_cast<std::uint32_t>(i), 0.1);
+        const auto w = to_format<U>(widened(to_format<V>(r)));
+        std::copy(w.begin(), w.end(), l.grad_weight.begin());
+        const auto rb = random_vector<double>(l.grad_bias.size(), 800 + static_cast<std::uint32_t>(i), 0.1);
+        const auto b = to_format<U>(widened(to_format<V>(rb)));
+        std::copy(b.begin(), b.end(), l.grad_bias.begin());
+    }
+    p.step();
+    return layers;
+}
+
+std::vector<owned_layer<double>> precision_model() {
+    std::vector<owned_layer<double>> layers{random_linear<double>(12, 5, 4, true, 3),
+                                            random_conv<double>(3, 2, 3, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 1}, true, 5, 4, 5)};
+    for (auto& [name, l] : every_kind<double>()) layers.push_back(l);
+    for (auto& l : layers) l.bind();
+    return layers;
+}
+
+template <class T>
+std::vector<owned_layer<T>> model_in() {
+    std::vector<owned_layer<T>> out;
+    for (const auto& l : precision_model()) out.push_back(as_layer_of<T>(l));
+    return out;
+}
+
+/// U views on a Compute backend against Compute views of the same values: the factors are
+/// the same bit for bit, and every gradient is the Compute result rounded once to U.
+template <class Compute, class U>
+void check_same_as_compute_views() {
+    kfac::options o;
+    o.damping = 0.01;
+    const auto inputs = model_in<U>();
+    std::vector<owned_layer<Compute>> same_values;
+    for (const auto& l : inputs) {  // U's values, read as Compute reads them
+        owned_layer<double> d;
+        d.view.description = l.view.description;
+        d.input_shape = l.input_shape;
+        d.output_shape = l.output_shape;
+        d.input = widened(l.input);
+        d.grad_output = widened(l.grad_output);
+        d.grad_weight = widened(l.grad_weight);
+        d.grad_bias = widened(l.grad_bias);
+        same_values.push_back(as_layer_of<Compute>(d));
+    }
+    kfac::KFAC<kfac::backend::cpu_eigen<Compute>> pu(o), pc(o);
+    const auto u = run_two_steps<Compute, U>(inputs, pu);
+    const auto c = run_two_steps<Compute, U>(same_values, pc);
+    for (const auto& record : pu.layers()) {  // every block: a grouped convolution's groups too
+        INFO(record.name);
+        CHECK(pu.a_factor(record.name) == pc.a_factor(record.name));
+        CHECK(pu.g_factor(record.name) == pc.g_factor(record.name));
+    }
+    for (std::size_t i = 0; i < u.size(); ++i) {
+        INFO("l" << i);
+        const auto rounded = [](const std::vector<Compute>& v) {
+            std::vector<U> r(v.size());
+            kfac::detail::narrow(v.data(), static_cast<std::int64_t>(v.size()), kfac::precision_of<U>, r.data());
+            return widened(r);
+        };
+        CHECK(widened(u[i].grad_weight) == rounded(c[i].grad_weight));
+        if (!u[i].view.grad_bias.empty()) CHECK(widened(u[i].grad_bias) == rounded(c[i].grad_bias));
+    }
+}
+
+}  // namespace
+
+TEST_CASE("bf16, fp16 and double views on a float backend compute as float views of their values",
+          "[precision]") {
+    check_same_as_compute_views<float, Eigen::bfloat16>();
+    check_same_as_compute_views<float, Eigen::half>();
+    check_same_as_compute_views<float, double>();
+}
+
+TEST_CASE("float and bf16 views on a double backend compute as double views of their values", "[precision]") {
+    check_same_as_compute_views<double, float>();
+    check_same_as_compute_views<double, Eigen::bfloat16>();
+}
+
+TEST_CASE("bf16 views on a float backend against fp64 of the same values", "[precision]") {
+    // The fp64 reference: a double backend fed the bf16 values exactly. The float pipeline's
+    // error is that of forming and decomposing damped factors in float, ≲ c·n·κ·u_fp32 with
+    // n ≤ 64 the longest sum and κ ≤ (‖F‖ + λ)/λ ≤ 10³ for these factors (‖F‖ ≲ 10, λ = 0.01
+    // plus the identity start's weight): 64·10³·2^-24 ≈ 4e-3 taken as the bound; the result
+    // is then rounded once to bf16 (relative error ≤ u_bf16 = 2^-8 of the largest element,
+    // the error measure's denominator).
+    kfac::options o;
+    o.damping = 0.01;
+    kfac::KFAC<kfac::backend::cpu_eigen<float>> pb(o);
+    kfac::KFAC<kfac::backend::cpu_eigen<double>> pd(o);
+    const auto inputs = model_in<Eigen::bfloat16>();
+    std::vector<owned_layer<double>> exact;
+    for (const auto& l : inputs) {
+        owned_layer<double> d;
+        d.view.description = l.view.description;
+        d.input_shape = l.input_shape;
+        d.output_shape = l.output_shape;
+        d.input = widened(l.input);
+        d.grad_output = widened(l.grad_output);
+        d.grad_weight = widened(l.grad_weight);
+        d.grad_bias = widened(l.grad_bias);
+        d.bind();
+        exact.push_back(d);
+    }
+    const auto b = run_two_steps<float, Eigen::bfloat16>(inputs, pb);
+    const auto d = run_two_steps<double, Eigen::bfloat16>(exact, pd);
+    const double tolerance = kfac::unit_roundoff(precision::bf16) + 64 * 1e3 * kfac::unit_roundoff(precision::fp32);
+    for (std::size_t i = 0; i < b.size(); ++i) {
+        INFO("layer " << i);
+        CHECK(buffer_rel_err(widened(b[i].grad_weight), d[i].grad_weight) <= tolerance);
+        if (!d[i].view.grad_bias.empty()) CHECK(buffer_rel_err(widened(b[i].grad_bias), d[i].grad_bias) <= tolerance);
+    }
+}
+
+TEST_CASE("a bf16 device view on a host backend names the view and the fix", "[precision]") {
+    kfac::KFAC<kfac::backend::cpu_eigen<float>> p;
+    auto l = as_layer_of<Eigen::bfloat16>(random_linear<double>(6, 3, 2, true, 1));
+    l.view.input.space = kfac::memory_space::device;
+    p.register_layer("fc", l.view);
+    CHECK_THROWS_WITH(p.step(), Catch::Contains("fc") && Catch::Contains("device memory"));
+}
