@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kfac/config.hpp"
+#include "kfac/precision.hpp"
 
 namespace kfac {
 
@@ -217,6 +218,11 @@ struct options {
     /// fails too is the previous decomposition kept (README, "Non-finite values"). It changes
     /// nothing for a decomposition that succeeds.
     bool fp64_retry = true;
+    /// Storage of the running factors between steps: precision::bf16 or precision::fp16 (half
+    /// the bytes of float), or unset for the backend's type. Each stored factor is rounded once
+    /// (fp16 at a power-of-two scale that fits its range) and widened exactly for each use;
+    /// checkpoints record it in that dtype (README, "Precision").
+    std::optional<precision> factor_storage{};
 };
 
 /// Whether options.loss_scale is in use (a schedule, or a constant other than 1).

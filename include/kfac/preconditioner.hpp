@@ -183,10 +183,11 @@ public:
     /// Whether a layer (or a group block, "<name>/group<j>") of that name is registered.
     [[nodiscard]] bool is_registered(const std::string& name) const { return engine_.is_registered(name); }
     /// Running A factor of a layer (the identity before its first update); a diagonal one
-    /// (an Embedding's) as its a_dim × 1 diagonal.
-    [[nodiscard]] const matrix& a_factor(const std::string& name) const { return engine_.find(name).state.a_factor; }
+    /// (an Embedding's) as its a_dim × 1 diagonal. With options.factor_storage, the stored
+    /// factor widened: a copy that the next call for the same layer and factor replaces.
+    [[nodiscard]] const matrix& a_factor(const std::string& name) const { return engine_.factor(name, true); }
     /// Running G factor of a layer.
-    [[nodiscard]] const matrix& g_factor(const std::string& name) const { return engine_.find(name).state.g_factor; }
+    [[nodiscard]] const matrix& g_factor(const std::string& name) const { return engine_.factor(name, false); }
     /// ν of the last step (1 when kl_clip is off or did not bind).
     [[nodiscard]] double last_kl_scale() const noexcept { return engine_.last_kl_scale(); }
     [[nodiscard]] const health_counters& health() const noexcept { return engine_.health(); }

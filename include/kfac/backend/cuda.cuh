@@ -250,6 +250,49 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
     // --- checks and reductions (these synchronise) ----------------------------------------
 
     static bool all_finite(const matrix& m) { return calls::all_finite(m); }
+    /// Whether every element of a device view of the compute type is finite (the overflow vote
+    /// of loss scaling, kfac/detail/engine_loss_scale.hpp).
+    static bool device_view_finite(const tensor_view<const Scalar>& v) {
+        bool ok = false;
+        calls::launch("count_non_finite", [&] {
+            cuda_detail::note_blocking_download();
+            ok = kernels::count_non_finite(calls::sync_policy(), v.data, v.size()) == 0;
+        });
+        return ok;
+    }
+
+    // --- decompositions in double (kfac/backend/fp64_decompositions.hpp) --------------------
+
+    static bool symmetric_eigen_fp64(const matrix& m, matrix& q, vector& lambda) {
+        if constexpr (std::is_same_v<Scalar, double>) {
+            return symmetric_eigen(m, q, lambda);
+        } else {
+            using wide = cuda<double>;
+            typename wide::matrix q64, lambda64;
+            if (!wide::symmetric_eigen(converted<double>(m), q64, lambda64)) return false;
+            q = converted<Scalar>(q64);
+            lambda = converted<Scalar>(lambda64);
+            return all_finite(q) && all_finite(lambda);
+        }
+    }
+    static bool damped_inverse_fp64(const matrix& m, double damping, matrix& inverse) {
+        if constexpr (std::is_same_v<Scalar, double>) {
+            return damped_inverse(m, damping, inverse);
+        } else {
+            using wide = cuda<double>;
+            typename wide::matrix inverse64;
+            if (!wide::damped_inverse(converted<double>(m), damping, inverse64)) return false;
+            inverse = converted<Scalar>(inverse64);
+            return all_finite(inverse);
+        }
+    }
+    /// A device matrix in another floating-point type.
+    template <class To, class From>
+    static cuda_detail::device_matrix<To> converted(const cuda_detail::device_matrix<From>& m) {
+        cuda_detail::device_matrix<To> out(m.rows(), m.cols());
+        calls::launch("convert", [&] { kernels::convert(calls::policy(), m.data(), m.size(), out.data()); });
+        return out;
+    }
     static bool lower_all_finite(const matrix& m) {
         bool ok = false;
         calls::launch("count_non_finite",

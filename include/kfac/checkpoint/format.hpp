@@ -26,6 +26,9 @@
 #include "kfac/checkpoint/files.hpp"
 #include "kfac/checkpoint/safetensors.hpp"
 #include "kfac/config.hpp"
+#include "kfac/detail/factor_storage.hpp"
+#include "kfac/detail/number_conversion.hpp"
+#include "kfac/precision.hpp"
 
 namespace kfac::checkpoint {
 
@@ -246,6 +249,21 @@ template <class Scalar, class HostMatrix>
     for (std::int64_t i = 0; i < rows; ++i)
         for (std::int64_t j = 0; j < cols; ++j) values[static_cast<std::size_t>(i * cols + j)] = m(i, j);
     return tensor::from(std::move(name), values.data(), stored_shape(rows, cols, tensor_rank));
+}
+
+/// A float or double tensor as a BF16 or F16 one, each value rounded once to nearest; F16 at
+/// the power-of-two scale of options.factor_storage (kfac/detail/factor_storage.hpp), recorded
+/// in tensor::exponent. Exact for values that came from that storage.
+[[nodiscard]] inline tensor to_packed_tensor(const tensor& t, precision format) {
+    const auto n = static_cast<std::size_t>(t.elements());
+    std::vector<double> values = t.values<double>();
+    tensor out{t.name, format == precision::bf16 ? dtype::bf16 : dtype::f16, t.shape, {}};
+    out.exponent = detail::storage_exponent(values.data(), n, format);
+    if (out.exponent != 0)
+        for (double& v : values) v = std::ldexp(v, -out.exponent);
+    out.bytes.resize(n * 2);
+    detail::narrow(values.data(), static_cast<std::int64_t>(n), format, out.bytes.data());
+    return out;
 }
 
 /// A C-order tensor into a column-major host matrix of `rows` × `cols` (float ↔ double

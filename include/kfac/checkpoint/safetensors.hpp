@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -28,31 +29,46 @@
 
 #include "kfac/checkpoint/json_text.hpp"
 #include "kfac/config.hpp"
+#include "kfac/detail/number_conversion.hpp"
+#include "kfac/precision.hpp"
 
 namespace kfac::checkpoint {
 
 static_assert(std::endian::native == std::endian::little,
               "kfac checkpoints store little-endian data; this host is big-endian");
 
-/// Element types a checkpoint uses (safetensors' names).
-enum class dtype { f32, f64, i64 };
+/// Element types a checkpoint uses (safetensors' names): BF16 and F16 hold factors kept in
+/// options.factor_storage.
+enum class dtype { f32, f64, i64, bf16, f16 };
 
 [[nodiscard]] inline const char* dtype_name(dtype t) noexcept {
     switch (t) {
         case dtype::f32: return "F32";
         case dtype::f64: return "F64";
         case dtype::i64: return "I64";
+        case dtype::bf16: return "BF16";
+        case dtype::f16: return "F16";
     }
     return "?";
 }
 
-[[nodiscard]] inline std::size_t dtype_size(dtype t) noexcept { return t == dtype::f32 ? 4 : 8; }
+[[nodiscard]] inline std::size_t dtype_size(dtype t) noexcept {
+    return t == dtype::f32 ? 4 : t == dtype::bf16 || t == dtype::f16 ? 2 : 8;
+}
 
 [[nodiscard]] inline std::optional<dtype> parse_dtype(std::string_view name) {
     if (name == "F32") return dtype::f32;
     if (name == "F64") return dtype::f64;
     if (name == "I64") return dtype::i64;
+    if (name == "BF16") return dtype::bf16;
+    if (name == "F16") return dtype::f16;
     return std::nullopt;
+}
+
+/// The number format of a floating-point dtype.
+[[nodiscard]] inline precision precision_of_dtype(dtype t) noexcept {
+    return t == dtype::f64 ? precision::fp64 : t == dtype::bf16 ? precision::bf16 : t == dtype::f16 ? precision::fp16
+                                                                                                    : precision::fp32;
 }
 
 template <class T>
@@ -71,6 +87,9 @@ struct tensor {
     dtype type = dtype::f32;
     std::vector<std::int64_t> shape;
     std::vector<std::byte> bytes;
+    /// An F16 tensor's values are its elements times 2^exponent (a factor stored at a power-of-
+    /// two scale, kfac/detail/factor_storage.hpp; metadata "fp16_exponent.<name>"); 0 otherwise.
+    int exponent = 0;
 
     [[nodiscard]] std::int64_t elements() const {
         std::int64_t n = 1;
@@ -97,10 +116,17 @@ struct tensor {
                 out[i] = static_cast<T>(v);
             }
         };
-        if (type == dtype::f32) convert(float{});
+        if (type == dtype::bf16 || type == dtype::f16) {
+            for (std::size_t i = 0; i < out.size(); ++i)
+                out[i] = static_cast<T>(std::ldexp(element(i), exponent));
+        } else if (type == dtype::f32) convert(float{});
         else if (type == dtype::f64) convert(double{});
         else convert(std::int64_t{});
         return out;
+    }
+    /// Element i of a floating-point tensor as stored (without the exponent), widened exactly.
+    [[nodiscard]] double element(std::size_t i) const {
+        return detail::element_as_double(bytes.data(), static_cast<std::int64_t>(i), precision_of_dtype(type));
     }
 };
 
@@ -297,7 +323,7 @@ private:
             offsets->array.size() != 2)
             throw fail(who + " lacks dtype, shape or data_offsets");
         const auto t = parse_dtype(type->text);
-        if (!t) throw fail(who + " has dtype " + type->text + "; kfac checkpoints use F32, F64 and I64");
+        if (!t) throw fail(who + " has dtype " + type->text + "; kfac checkpoints use F32, F64, BF16, F16 and I64");
         tensor x{name, *t, {}, {}};
         for (const auto& e : shape->array) {
             if (!e.is_integer() || e.integer < 0) throw fail(who + " has a shape entry that is not a non-negative integer");

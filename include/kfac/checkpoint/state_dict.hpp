@@ -8,6 +8,7 @@
 /// header knows the metadata's names and checks (kfac/checkpoint/format.hpp) and nothing of
 /// the preconditioner; kfac/detail/engine_checkpoint.hpp gathers and scatters.
 
+#include <charconv>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -43,6 +44,20 @@ struct state_dict {
     std::string library;           ///< the kfac version that wrote it
 };
 
+/// Metadata "fp16_exponent.<tensor>": the power of two an F16 factor's values are scaled by.
+inline constexpr const char* fp16_exponent_prefix = "fp16_exponent.";
+
+/// An integer metadata entry that may be negative.
+[[nodiscard]] inline std::int64_t metadata_count_or_negative(const archive& a, const std::string& k,
+                                                             const std::string& source) {
+    const std::string& v = a.metadata.at(k);
+    std::int64_t out = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+    if (ec != std::errc() || end != v.data() + v.size())
+        throw error("checkpoint " + source + ": metadata '" + k + "' = '" + v + "' is not an integer (the file is corrupt)");
+    return out;
+}
+
 /// The archive save() writes: the tensors, and the state's fields as metadata, sealed.
 [[nodiscard]] inline archive to_archive(state_dict s) {
     archive a;
@@ -69,6 +84,8 @@ struct state_dict {
     // Written once there is one, so that the files of runs without them stay as they were.
     if (s.health.skipped_steps != 0) m[key::health_prefix + "skipped_steps"] = std::to_string(s.health.skipped_steps);
     if (s.health.fp64_retries != 0) m[key::health_prefix + "fp64_retries"] = std::to_string(s.health.fp64_retries);
+    for (const auto& t : a.tensors)  // options.factor_storage fp16: the scale each factor is stored at
+        if (t.exponent != 0) m[std::string(fp16_exponent_prefix) + t.name] = std::to_string(t.exponent);
     m[key::checksum_scope] = checksum_scope_all;
     seal(a);  // last: the checksum digests every other entry
     return a;
@@ -118,6 +135,16 @@ struct state_dict {
         s.health.skipped_steps = metadata_count(a, key::health_prefix + "skipped_steps", source);
     if (a.metadata.contains(key::health_prefix + "fp64_retries"))
         s.health.fp64_retries = metadata_count(a, key::health_prefix + "fp64_retries", source);
+    for (auto& t : a.tensors) {
+        const auto it = a.metadata.find(std::string(fp16_exponent_prefix) + t.name);
+        if (it == a.metadata.end()) continue;
+        const std::int64_t k = metadata_count_or_negative(a, it->first, source);
+        if (t.type != dtype::f16 || k < -1100 || k > 1100)
+            throw error("checkpoint " + source + ": metadata '" + it->first + "' = '" + it->second +
+                        "' is invalid: a power-of-two scale of an F16 tensor, an integer in [-1100, 1100] (the file "
+                        "is corrupt)");
+        t.exponent = static_cast<int>(k);
+    }
     s.tensors = std::move(a.tensors);
     return s;
 }

@@ -34,8 +34,9 @@ namespace kfac::checkpoint {
 
 namespace value_detail {
 
-/// Element i of a F32 or F64 tensor, widened to double (exact).
+/// Element i of a floating-point tensor, widened to double (exact).
 [[nodiscard]] inline double element(const tensor& t, std::size_t i) {
+    if (t.type == dtype::bf16 || t.type == dtype::f16) return std::ldexp(t.element(i), t.exponent);
     if (t.type == dtype::f32) {
         float v;
         std::memcpy(&v, t.bytes.data() + i * sizeof v, sizeof v);
@@ -63,7 +64,7 @@ namespace value_detail {
 
 /// Unit roundoff of the precision the tensor was saved in.
 [[nodiscard]] inline double unit_roundoff(const tensor& t) {
-    return t.type == dtype::f32 ? std::numeric_limits<float>::epsilon() / 2.0 : std::numeric_limits<double>::epsilon() / 2.0;
+    return kfac::unit_roundoff(precision_of_dtype(t.type));
 }
 
 /// The first (i, j), i < j, of an n × n tensor whose (j, i) has other bits, or (0, 0). `Bits`:
@@ -102,7 +103,13 @@ template <class Bits>
         }
         return n;
     };
-    const std::size_t i = t.type == dtype::f32 ? first(0.0f) : first(0.0);
+    std::size_t i = n;
+    if (t.type == dtype::bf16 || t.type == dtype::f16) {
+        for (i = 0; i < n && std::isfinite(t.element(i)); ++i) {
+        }
+    } else {
+        i = t.type == dtype::f32 ? first(0.0f) : first(0.0);
+    }
     if (i == n) return {};
     return "holds " + value_detail::number(value_detail::element(t, i)) + " at " + value_detail::position(t, i, cols) +
            " (not finite)";
@@ -154,8 +161,9 @@ template <class Bits>
             return "has a negative diagonal entry, " + number(element(t, k)) + " at " + value_detail::position(t, k, cols) +
                    " (a covariance's diagonal is >= 0; rounding allows " + number(floor) + " here)";
     if (structure != factor_structure::dense) return {};
-    const auto [i, j] = t.type == dtype::f32 ? value_detail::first_asymmetry<std::uint32_t>(t, c)
-                                             : value_detail::first_asymmetry<std::uint64_t>(t, c);
+    const auto [i, j] = dtype_size(t.type) == 2 ? value_detail::first_asymmetry<std::uint16_t>(t, c)
+                        : t.type == dtype::f32  ? value_detail::first_asymmetry<std::uint32_t>(t, c)
+                                                : value_detail::first_asymmetry<std::uint64_t>(t, c);
     if (i == j) return {};
     return "is not symmetric: (" + std::to_string(i) + ", " + std::to_string(j) + ") = " + number(element(t, i * c + j)) +
            " but (" + std::to_string(j) + ", " + std::to_string(i) + ") = " + number(element(t, j * c + i));

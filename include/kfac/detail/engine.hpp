@@ -187,6 +187,15 @@ public:
     [[nodiscard]] std::size_t layer_count() const noexcept { return layers_.size(); }
     [[nodiscard]] bool is_registered(const std::string& name) const;
     [[nodiscard]] const layer_record& find(const std::string& name) const { return layers_[index_of(name)]; }
+    /// A layer's running A (a: true) or G factor: the state's matrix, or with
+    /// options.factor_storage its widened copy, kept until the next call for that layer.
+    [[nodiscard]] const matrix& factor(const std::string& name, bool a) const {
+        const layer_record& l = find(name);
+        if (!storage_.packs()) return a ? l.state.a_factor : l.state.g_factor;
+        auto& copy = a ? l.scratch.widened_a : l.scratch.widened_g;
+        copy = storage_.value(l.state, a);
+        return copy;
+    }
     [[nodiscard]] double last_kl_scale() const noexcept { return last_kl_scale_; }
     [[nodiscard]] const health_counters& health() const noexcept { return health_; }
     [[nodiscard]] eigenbasis_count eigenbasis_counts() const noexcept { return bases_; }
@@ -333,6 +342,7 @@ private:
     std::vector<double> gradient_dots_;
     double second_order_damping_ = 0.0;  // of the last inverse update (checkpoints record it)
     health_counters health_{};
+    factor_storage<Backend> storage_{};  // options.factor_storage
     eigenbasis_count bases_{};
     std::function<void(const non_finite_event&)> on_non_finite_;
     host_staging<Backend> staging_{};       // device data through host memory for comm

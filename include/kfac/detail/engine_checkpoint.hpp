@@ -136,9 +136,19 @@ std::optional<checkpoint::state_dict> engine<Backend, CommPolicy, ComputeMethod>
         const auto& d = l.host.description;
         const int factor_source = place.factor_holders.front();
         const blocks::block_layout b = l.block->layout(d);
-        gather_tensor(l.state.a_factor, b.a_rows, b.a_cols, factor_source, writer, state.tensors, l.host.name + ".A",
-                      b.a_tensor_rank);
-        gather_tensor(l.state.g_factor, b.g_dim, b.g_dim, factor_source, writer, state.tensors, l.host.name + ".G", 2);
+        {
+            // options.factor_storage: the stored factors widened here, recorded in their dtype.
+            const bool packed = storage_.packs();
+            const matrix a = packed ? storage_.value(l.state, true) : matrix{};
+            const matrix g = packed ? storage_.value(l.state, false) : matrix{};
+            gather_tensor(packed ? a : l.state.a_factor, b.a_rows, b.a_cols, factor_source, writer, state.tensors,
+                          l.host.name + ".A", b.a_tensor_rank);
+            gather_tensor(packed ? g : l.state.g_factor, b.g_dim, b.g_dim, factor_source, writer, state.tensors,
+                          l.host.name + ".G", 2);
+            if (writer && storage_.packs())
+                for (auto* t : {&state.tensors[state.tensors.size() - 2], &state.tensors.back()})
+                    *t = checkpoint::to_packed_tensor(*t, *storage_.format);
+        }
         if (!second) continue;
         // Every rank walks the same list of tensors: the source its own data, the others
         // empty stand-ins of the same sizes.
@@ -226,8 +236,12 @@ template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::adopt_state(staged_state<Backend, method>&& s) {
     for (std::size_t i = 0; i < layers_.size(); ++i) {
         auto& st = layers_[i].state;
-        if (s.a_factor[i]) st.a_factor = std::move(*s.a_factor[i]);
-        if (s.g_factor[i]) st.g_factor = std::move(*s.g_factor[i]);
+        if (s.a_factor[i] || s.g_factor[i]) {  // options.factor_storage: rounded into it
+            storage_.widen(st);
+            if (s.a_factor[i]) st.a_factor = std::move(*s.a_factor[i]);
+            if (s.g_factor[i]) st.g_factor = std::move(*s.g_factor[i]);
+            storage_.store(st);
+        }
         st.statistics_weight = s.statistics_weights[i];
         st.has_second = false;
         if (s.second[i]) {

@@ -26,11 +26,13 @@ std::vector<layer_curvature> engine<Backend, CommPolicy, ComputeMethod>::curvatu
             c.identity_weight = options_.averaging == factor_averaging::bias_corrected ? (w > 0.0 ? 0.0 : 1.0)
                                 : std::isnan(w)                                        ? w
                                                                                        : 1.0 - w;
-            const auto [lambda_a, lambda_g] = l.block->spectra(l.state);
+            auto state = l.state;  // factors widened from options.factor_storage (a diagnostic: a copy is fine)
+            storage_.widen(state);
+            const auto [lambda_a, lambda_g] = l.block->spectra(state);
             c.a = summarise(lambda_a);
             c.g = summarise(lambda_g);
             c.mean_product = c.a.mean * c.g.mean;
-            const damping_terms t = l.block->damping_of(l.state, gamma, options_);
+            const damping_terms t = l.block->damping_of(state, gamma, options_);
             c.damping = gamma;
             c.damping_a = t.a;
             c.damping_g = t.g;

@@ -191,6 +191,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan&
             continue;
         }
         double& w = l.state.statistics_weight;
+        storage_.widen(l.state);
         if (options_.averaging == factor_averaging::bias_corrected) {
             // F = R/W: F ← (ξW·F + (1 − ξ)F̂) / W', W' = ξW + (1 − ξ). Unknown W: F taken as a full average.
             const double before = std::isnan(w) ? 1.0 : w;
@@ -203,6 +204,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan&
             w = decay * w + (1.0 - decay);
             if (w > 1.0) w = 1.0;  // W ≤ 1 whatever the rounding (a checkpoint checks it); NaN stays unknown
         }
+        storage_.store(l.state);
     }
 }
 

@@ -8,6 +8,7 @@
 /// would zero gradients the scaler then never sees as overflowed.
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "kfac/detail/engine.hpp"
@@ -15,16 +16,21 @@
 
 namespace kfac::detail {
 
-/// Whether a view the step reads is finite: on the host by its bits, in device memory by the
-/// backend (a host backend never holds device views: the checks refused them).
+/// Whether a view the step reads (in the compute type) is finite: on the host by its bits, in
+/// device memory by the backend (a host backend never holds device views: the checks refused
+/// them).
 template <class Backend, class T>
-[[nodiscard]] bool view_finite(const tensor_view<T>& v) {
+[[nodiscard]] bool view_finite(const tensor_view<T>& view) {
+    const tensor_view<const T> v = as_const(view);
     if (v.empty()) return true;
     if (v.space == memory_space::device) {
-        if constexpr (requires { Backend::device_view_finite(v); }) return Backend::device_view_finite(v);
+        if constexpr (requires { Backend::device_view_finite(v); })
+            return Backend::device_view_finite(v);
+        else
+            throw error("options.loss_scale with device views needs a backend that checks them "
+                        "(device_view_finite); this backend has none");
     }
-    using element = std::remove_const_t<T>;
-    return all_finite(v.data, v.size(), precision_of<element>);
+    return all_finite(v.data, v.size(), precision_of<std::remove_const_t<T>>);
 }
 
 /// One allreduce of a flag over the ranks, made only with loss scaling on (which every rank

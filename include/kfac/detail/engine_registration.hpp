@@ -94,6 +94,7 @@ auto engine<Backend, CommPolicy, ComputeMethod>::make_records(const std::string&
             r.host.description = d;
             r.block = &block_of(d);
             r.block->start(r.state, d);
+            storage_.store(r.state);
             r.block->clear_statistic(r.statistics, d);
         }
         return records;

@@ -76,7 +76,10 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
         const bool has_previous = l.state.has_second;
         const auto* previous_a = has_previous ? &l.state.second.a : &none;
         const auto* previous_g = has_previous ? &l.state.second.g : &none;
-        if (l.role.computes_a || l.role.computes_g) r.terms = l.block->damping_of(l.state, damping, options_);
+        if (l.role.computes_a || l.role.computes_g) {
+            storage_.widen(l.state);  // released below, once the decompositions are done
+            r.terms = l.block->damping_of(l.state, damping, options_);
+        }
         if (l.role.computes_a)
             tasks.push_back(layer_task(l, {l.block->second_order_cost(d, factor_side::a), [&l, &r, previous_a, this] {
                                                r.ok_a = l.block->compute(factor_side::a, l.state.a_factor, r.terms.a,
@@ -88,6 +91,12 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
                                                                          options_, *previous_g, r.g);
                                            }}));
     }
+    struct widened_factors {  // the factors widened above, released however the tasks end
+        engine& e;
+        ~widened_factors() {
+            for (auto& l : e.layers_) e.storage_.release(l.state);
+        }
+    } widened{*this};
     agree_on([&] {
         const auto prefetched = prefetch_decompositions();
         detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);

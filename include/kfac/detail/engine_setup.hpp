@@ -29,6 +29,10 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
         check_damping_supported();
         skip_filter_ = skip_filter(options_);
         reduce_filter_ = reduce_filter(options_);
+        if (options_.factor_storage) {
+            check_factor_storage(*options_.factor_storage, precision_of<scalar_type>);
+            if (*options_.factor_storage != precision_of<scalar_type>) storage_.format = options_.factor_storage;
+        }
     });
 }
 
@@ -108,6 +112,15 @@ std::vector<config_item> engine<Backend, CommPolicy, ComputeMethod>::configurati
     items.push_back({"options.colocate_factors", flag(options_.colocate_factors)});
     items.push_back({"options.allreduce_bucket_cap_mb", exact_number_text(options_.allreduce_bucket_cap_mb)});
     items.push_back({"options.symmetry_aware", flag(options_.symmetry_aware)});
+    // The mixed-precision options, named only when set away from their defaults (so that the
+    // digest of a configuration without them is what it was before they existed).
+    if (loss_scaling(options_))
+        items.push_back({"options.loss_scale", options_.loss_scale.is_schedule()
+                                                   ? "a schedule"
+                                                   : exact_number_text(options_.loss_scale(0))});
+    if (options_.fp64_decompositions) items.push_back({"options.fp64_decompositions", "true"});
+    if (!options_.fp64_retry) items.push_back({"options.fp64_retry", "false"});
+    if (storage_.packs()) items.push_back({"options.factor_storage", precision_name(*storage_.format)});
     return items;
 }
 
@@ -221,8 +234,10 @@ memory_report engine<Backend, CommPolicy, ComputeMethod>::memory_usage() const {
     memory_report m;
     auto bytes = [](const auto& x) { return static_cast<std::size_t>(x.size()) * sizeof(scalar_type); };
     for (const auto& l : layers_) {
-        m.factors += bytes(l.state.a_factor) + bytes(l.state.g_factor);
+        m.factors += storage_.bytes(l.state);
         m.statistics += bytes(l.statistics.a_sum) + bytes(l.statistics.g_sum);
+        for (const auto& copy : l.scratch.converted) m.statistics += copy.size() * sizeof(scalar_type);
+        m.gradients += (l.scratch.weight_copy.size() + l.scratch.bias_copy.size()) * sizeof(scalar_type);
         for (const auto& channels : l.scratch.group_channels) m.statistics += channels.size() * sizeof(scalar_type);
         method::for_each_tensor(l.state.second, [&](const char*, const auto& x, int) { m.second_order += bytes(x); });
         m.gradients += bytes(l.scratch.gamma) + bytes(l.scratch.preconditioned);

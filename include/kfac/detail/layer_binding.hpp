@@ -8,6 +8,8 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/layer_traits.hpp"
@@ -42,6 +44,19 @@ struct layer_binding {
     [[nodiscard]] bool gradient_present() const { return has_gradient == nullptr || has_gradient(layer); }
 };
 
+/// A view member's result as a number_view: as it is, or through a tensor_view of the
+/// layer's scalar type (which accepts whatever converts to one).
+template <class Scalar, class View>
+number_view<const void> read_view(View&& v) {
+    if constexpr (std::is_same_v<std::decay_t<View>, number_view<const void>>) return v;
+    else return number_view<const void>(tensor_view<const Scalar>(std::forward<View>(v)));
+}
+template <class Scalar, class View>
+number_view<void> write_view(View&& v) {
+    if constexpr (std::is_same_v<std::decay_t<View>, number_view<void>>) return v;
+    else return number_view<void>(tensor_view<Scalar>(std::forward<View>(v)));
+}
+
 /// The binding of `layer` (a layer_adapter): everything but the name, the description read
 /// through describe().
 template <class Layer>
@@ -56,25 +71,25 @@ layer_binding bind_layer(Layer& layer) {
             return static_cast<std::int64_t>(traits::applications(*static_cast<const Layer*>(p)));
         };
         b.activations = [](const void* p, std::int64_t i) {
-            return number_view<const void>(tensor_view<const scalar>(traits::activations(*static_cast<const Layer*>(p), i)));
+            return read_view<scalar>(traits::activations(*static_cast<const Layer*>(p), i));
         };
         b.output_gradients = [](const void* p, std::int64_t i) {
-            return number_view<const void>(tensor_view<const scalar>(traits::output_gradients(*static_cast<const Layer*>(p), i)));
+            return read_view<scalar>(traits::output_gradients(*static_cast<const Layer*>(p), i));
         };
     } else {
         b.applications = [](const void*) { return std::int64_t{1}; };
         b.activations = [](const void* p, std::int64_t) {
-            return number_view<const void>(tensor_view<const scalar>(traits::activations(*static_cast<const Layer*>(p))));
+            return read_view<scalar>(traits::activations(*static_cast<const Layer*>(p)));
         };
         b.output_gradients = [](const void* p, std::int64_t) {
-            return number_view<const void>(tensor_view<const scalar>(traits::output_gradients(*static_cast<const Layer*>(p))));
+            return read_view<scalar>(traits::output_gradients(*static_cast<const Layer*>(p)));
         };
     }
     b.weight_gradient = [](void* p) {
-        return number_view<void>(tensor_view<scalar>(traits::weight_gradient(*static_cast<Layer*>(p))));
+        return write_view<scalar>(traits::weight_gradient(*static_cast<Layer*>(p)));
     };
     b.bias_gradient = [](void* p) {
-        return number_view<void>(tensor_view<scalar>(traits::bias_gradient(*static_cast<Layer*>(p))));
+        return write_view<scalar>(traits::bias_gradient(*static_cast<Layer*>(p)));
     };
     if constexpr (traits_have_gradient_presence<Layer>)
         b.has_gradient = [](const void* p) {

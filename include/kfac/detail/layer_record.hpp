@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kfac/assignment/distribution_plan.hpp"
+#include "kfac/detail/factor_storage.hpp"
 #include "kfac/detail/group_views.hpp"
 #include "kfac/detail/layer_binding.hpp"
 #include "kfac/layers/layer_description.hpp"
@@ -35,6 +36,9 @@ struct layer_state {
     using matrix = typename Backend::matrix;
 
     matrix a_factor, g_factor;  ///< running averages (the identity before the first update)
+    /// With options.factor_storage: the factors as stored between steps (factor_storage.hpp);
+    /// a_factor and g_factor then hold them only while a step or a report uses them.
+    packed_factor packed_a, packed_g;
     /// Second-order data in force, on the ranks whose role holds it.
     typename Method::layer_data second{};
     bool has_second = false;
@@ -90,6 +94,8 @@ struct layer_scratch {
     std::vector<scalar> weight_copy, bias_copy;
     /// The host's gradient views (the record's rows), written back from the copies.
     number_view<void> host_weight_gradient, host_bias_gradient;
+    /// a_factor()/g_factor() of a layer whose factors are packed (options.factor_storage).
+    mutable matrix widened_a, widened_g;
 };
 
 template <class Backend, class Method>

@@ -68,19 +68,13 @@ struct layer_traits<any_layer<Scalar>> {
     using layer = any_layer<Scalar>;
     static layer_description describe(const layer& l) { return l.description(); }
     static std::int64_t applications(const layer& l) { return l.binding().applications_now(); }
-    static tensor_view<const Scalar> activations(const layer& l, std::int64_t i) {
-        return l.binding().activations_of(i).template as<const Scalar>();
-    }
-    static tensor_view<const Scalar> output_gradients(const layer& l, std::int64_t i) {
-        return l.binding().output_gradients_of(i).template as<const Scalar>();
+    static number_view<const void> activations(const layer& l, std::int64_t i) { return l.binding().activations_of(i); }
+    static number_view<const void> output_gradients(const layer& l, std::int64_t i) {
+        return l.binding().output_gradients_of(i);
     }
     static bool has_gradient(const layer& l) { return l.binding().gradient_present(); }
-    static tensor_view<Scalar> weight_gradient(layer& l) {
-        return l.binding().weight_gradient(l.binding().layer).template as<Scalar>();
-    }
-    static tensor_view<Scalar> bias_gradient(layer& l) {
-        return l.binding().bias_gradient(l.binding().layer).template as<Scalar>();
-    }
+    static number_view<void> weight_gradient(layer& l) { return l.binding().weight_gradient(l.binding().layer); }
+    static number_view<void> bias_gradient(layer& l) { return l.binding().bias_gradient(l.binding().layer); }
     static void end_pass(layer& l) {
         if (l.binding().end_pass) l.binding().end_pass(l.binding().layer);
     }

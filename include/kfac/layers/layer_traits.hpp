@@ -34,7 +34,9 @@
 /// backend's compute type (exactly, but for double into float, which rounds), statistics are
 /// formed there, and the preconditioned gradient is rounded once back into scalar_type. A
 /// 16-bit scalar_type is any type declared through kfac::number_format: Eigen::bfloat16 and
-/// Eigen::half (kfac/layers/eigen_number_formats.hpp), LibTorch's and CUDA's.
+/// Eigen::half (kfac/layers/eigen_number_formats.hpp), LibTorch's and CUDA's. An adapter whose
+/// tensors' formats are known only at run time may return kfac::number_view<const void> (and
+/// number_view<void> for the gradients) from any view member instead (kfac/layers/number_view.hpp).
 ///
 /// ## Optional members
 ///
@@ -68,6 +70,7 @@
 #include <cstdint>
 
 #include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/number_view.hpp"
 #include "kfac/layers/tensor_view.hpp"
 #include "kfac/precision.hpp"
 
@@ -90,30 +93,29 @@ concept traits_have_describe = requires(const L& l) {
     { layer_traits<L>::describe(l) } -> std::convertible_to<layer_description>;
 };
 
+/// A view member's result: a tensor_view of scalar_type, or a number_view whose format is
+/// known at run time (an adapter whose tensors' dtypes vary, as LibTorch's under autocast).
+template <class R, class Scalar>
+concept read_view_of = std::convertible_to<R, tensor_view<const Scalar>> || std::same_as<R, number_view<const void>>;
+template <class R, class Scalar>
+concept write_view_of = std::convertible_to<R, tensor_view<Scalar>> || std::same_as<R, number_view<void>>;
+
 template <class L>
 concept traits_have_activations = traits_have_scalar_type<L> && requires(const L& l) {
-    {
-        layer_traits<L>::activations(l)
-    } -> std::convertible_to<tensor_view<const typename layer_traits<L>::scalar_type>>;
+    { layer_traits<L>::activations(l) } -> read_view_of<typename layer_traits<L>::scalar_type>;
 };
 
 template <class L>
 concept traits_have_output_gradients = traits_have_scalar_type<L> && requires(const L& l) {
-    {
-        layer_traits<L>::output_gradients(l)
-    } -> std::convertible_to<tensor_view<const typename layer_traits<L>::scalar_type>>;
+    { layer_traits<L>::output_gradients(l) } -> read_view_of<typename layer_traits<L>::scalar_type>;
 };
 
 /// The optional per-application form (see the file comment).
 template <class L>
 concept traits_have_applications = traits_have_scalar_type<L> && requires(const L& l, std::int64_t i) {
     { layer_traits<L>::applications(l) } -> std::convertible_to<std::int64_t>;
-    {
-        layer_traits<L>::activations(l, i)
-    } -> std::convertible_to<tensor_view<const typename layer_traits<L>::scalar_type>>;
-    {
-        layer_traits<L>::output_gradients(l, i)
-    } -> std::convertible_to<tensor_view<const typename layer_traits<L>::scalar_type>>;
+    { layer_traits<L>::activations(l, i) } -> read_view_of<typename layer_traits<L>::scalar_type>;
+    { layer_traits<L>::output_gradients(l, i) } -> read_view_of<typename layer_traits<L>::scalar_type>;
 };
 
 /// Either form of the statistics' views.
@@ -131,16 +133,12 @@ concept traits_have_end_pass = requires(L& l) { layer_traits<L>::end_pass(l); };
 
 template <class L>
 concept traits_have_weight_gradient = traits_have_scalar_type<L> && requires(L& l) {
-    {
-        layer_traits<L>::weight_gradient(l)
-    } -> std::convertible_to<tensor_view<typename layer_traits<L>::scalar_type>>;
+    { layer_traits<L>::weight_gradient(l) } -> write_view_of<typename layer_traits<L>::scalar_type>;
 };
 
 template <class L>
 concept traits_have_bias_gradient = traits_have_scalar_type<L> && requires(L& l) {
-    {
-        layer_traits<L>::bias_gradient(l)
-    } -> std::convertible_to<tensor_view<typename layer_traits<L>::scalar_type>>;
+    { layer_traits<L>::bias_gradient(l) } -> write_view_of<typename layer_traits<L>::scalar_type>;
 };
 
 }  // namespace detail

@@ -110,5 +110,21 @@
 /// table of module types: per type its parameters, description and why it is left out), tracker (tracked_layer, its
 /// layer_traits, tracker), registration (register_modules, track_modules, the report).
 
+#include "kfac/layers/torch/grad_scaler.hpp"
 #include "kfac/layers/torch/registration.hpp"
 #include "kfac/layers/torch/tracker.hpp"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace kfac {
+/// LibTorch's 16-bit types as view elements (kfac/precision.hpp).
+template <>
+struct number_format<c10::BFloat16> {
+    static constexpr precision format = precision::bf16;
+};
+template <>
+struct number_format<c10::Half> {
+    static constexpr precision format = precision::fp16;
+};
+}  // namespace kfac

@@ -154,6 +154,13 @@ void scaled_identity(Policy&& policy, T* m, index n, T diagonal) {
     for_each_index(policy, n * n, [=] KFAC_HOST_DEVICE(index t) { m[t] = t % n == t / n ? diagonal : T(0); });
 }
 
+/// dst[t] ← src[t] in another floating-point type (widening is exact, narrowing rounds to
+/// nearest): a float factor decomposed in double and back (options.fp64_decompositions).
+template <class Policy, class S, class D>
+void convert(Policy&& policy, const S* src, index count, D* dst) {
+    for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { dst[t] = static_cast<D>(src[t]); });
+}
+
 template <class Policy, class T>
 void fill(Policy&& policy, T* m, index count, T value) {
     for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { m[t] = value; });

@@ -53,15 +53,18 @@ struct norm_call {
     std::vector<std::int64_t> shape;
 };
 
-/// x̂ of `x`, in x's dtype, shaped `n.shape` and contiguous.
-inline at::Tensor normalized_input(const at::Tensor& x, const norm_call& n) {
+/// x̂ of `x`, shaped `n.shape` and contiguous: in x's dtype, but for a bfloat16 or half x in
+/// float (x̂ is formed from x by a mean and a variance, which 8 or 11 bits would round away).
+inline at::Tensor normalized_input(const at::Tensor& input, const norm_call& n) {
     const c10::NoGradGuard no_grad;  // nor does the tracker's observer look at these operators
+    const bool reduced = input.scalar_type() == c10::ScalarType::BFloat16 || input.scalar_type() == c10::ScalarType::Half;
+    const at::Tensor x = reduced ? input.to(c10::ScalarType::Float) : input;
     at::Tensor mean, var;
     if (n.mean.defined()) {
         std::vector<std::int64_t> channels(static_cast<std::size_t>(x.dim()), 1);
         channels[1] = x.size(1);
-        mean = n.mean.reshape(channels);
-        var = n.var.reshape(channels);
+        mean = n.mean.reshape(channels).to(x.scalar_type());
+        var = n.var.reshape(channels).to(x.scalar_type());
     } else {
         mean = x.mean(n.dims, /*keepdim=*/true);
         var = (x - mean).square().mean(n.dims, /*keepdim=*/true);

@@ -100,16 +100,16 @@ public:
     /// normalisation layer's x̂).
     /// @throws kfac::error when the application cannot be used (a functional call with other
     ///         options) or its tensors are not CPU/CUDA tensors of Scalar.
-    [[nodiscard]] tensor_view<const Scalar> activations_view(std::int64_t i) const {
+    [[nodiscard]] number_view<const void> activations_view(std::int64_t i) const {
         const auto p = usable(i);
         detail::check_tensor<Scalar>(*state_, "the captured input", p->input);
         const at::Tensor& x = p->activations();
-        return detail::view_of<const Scalar>(*state_, "the captured input", x);
+        return detail::view_of<const void>(*state_, "the captured input", x);
     }
-    [[nodiscard]] tensor_view<const Scalar> output_gradients_view(std::int64_t i) const {
+    [[nodiscard]] number_view<const void> output_gradients_view(std::int64_t i) const {
         const auto p = usable(i);
         detail::check_tensor<Scalar>(*state_, "the captured output gradient", p->grad_output);
-        return detail::view_of<const Scalar>(*state_, "the captured output gradient", p->grad_output);
+        return detail::view_of<const void>(*state_, "the captured output gradient", p->grad_output);
     }
     /// Whether backward gave the layer a gradient (false: not called in this step, with the
     /// gradients set to none, or never called).
@@ -118,11 +118,11 @@ public:
     }
     /// The weight's own .grad() buffer. @throws kfac::error if undefined, not contiguous, not
     /// on the CPU or a CUDA device, or not of Scalar.
-    [[nodiscard]] tensor_view<Scalar> weight_gradient_view() const {
+    [[nodiscard]] number_view<void> weight_gradient_view() const {
         return flat_for_norm(detail::gradient_view<Scalar>(*state_, *state_->weight, "weight"));
     }
     /// The bias's own .grad() buffer, or an empty view without bias.
-    [[nodiscard]] tensor_view<Scalar> bias_gradient_view() const {
+    [[nodiscard]] number_view<void> bias_gradient_view() const {
         if (!state_->description.bias) return {};
         return flat_for_norm(detail::gradient_view<Scalar>(*state_, *state_->bias, "bias"));
     }
@@ -132,9 +132,11 @@ public:
 private:
     /// A normalisation layer's parameter gradient as one dimension (a LayerNorm's
     /// normalized_shape flattened, as its description counts the features).
-    tensor_view<Scalar> flat_for_norm(tensor_view<Scalar> v) const {
+    number_view<void> flat_for_norm(number_view<void> v) const {
         if (!is_normalization(state_->description.kind) || v.empty()) return v;
-        return tensor_view<Scalar>::from_extents(v.data, std::array<std::int64_t, 1>{v.size()}, v.space);
+        v.extents[0] = v.size();
+        v.rank = 1;
+        return v;
     }
 
     std::shared_ptr<const detail::pass> usable(std::int64_t i) const {
@@ -300,13 +302,13 @@ struct layer_traits<torch::tracked_layer<Scalar>> {
     using layer = torch::tracked_layer<Scalar>;
     static layer_description describe(const layer& l) { return l.description(); }
     static std::int64_t applications(const layer& l) { return l.applications(); }
-    static tensor_view<const Scalar> activations(const layer& l, std::int64_t i) { return l.activations_view(i); }
-    static tensor_view<const Scalar> output_gradients(const layer& l, std::int64_t i) {
+    static number_view<const void> activations(const layer& l, std::int64_t i) { return l.activations_view(i); }
+    static number_view<const void> output_gradients(const layer& l, std::int64_t i) {
         return l.output_gradients_view(i);
     }
     static bool has_gradient(const layer& l) { return l.has_gradient(); }
-    static tensor_view<Scalar> weight_gradient(layer& l) { return l.weight_gradient_view(); }
-    static tensor_view<Scalar> bias_gradient(layer& l) { return l.bias_gradient_view(); }
+    static number_view<void> weight_gradient(layer& l) { return l.weight_gradient_view(); }
+    static number_view<void> bias_gradient(layer& l) { return l.bias_gradient_view(); }
     static void end_pass(layer& l) { l.end_pass(); }
 };
 

@@ -29,7 +29,9 @@
 #include "kfac/detail/layer_checks.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/layer_traits.hpp"
+#include "kfac/layers/number_view.hpp"
 #include "kfac/layers/tensor_view.hpp"
+#include "kfac/precision.hpp"
 #include "kfac/options.hpp"
 #include "kfac/layers/torch/capture.hpp"
 
@@ -46,6 +48,18 @@ const char* scalar_name() noexcept {
     return std::is_same_v<Scalar, float> ? "float (torch::kFloat)" : "double (torch::kDouble)";
 }
 
+/// The format of a tensor's dtype, when kfac reads it: float, double, bfloat16 and half
+/// (a model in bf16, or under autocast, hands the preconditioner tensors of each).
+inline std::optional<precision> format_of(c10::ScalarType t) noexcept {
+    switch (t) {
+        case c10::ScalarType::Float: return precision::fp32;
+        case c10::ScalarType::Double: return precision::fp64;
+        case c10::ScalarType::BFloat16: return precision::bf16;
+        case c10::ScalarType::Half: return precision::fp16;
+        default: return std::nullopt;
+    }
+}
+
 /// Where the elements of a tensor on `device` live, for its view: CUDA memory is device
 /// memory (for kfac::backend::cuda), CPU memory host memory.
 /// @throws kfac::error naming the layer for any other device.
@@ -58,18 +72,18 @@ inline memory_space memory_space_of(const layer_state& l, const char* what, cons
 }
 
 /// Throws a kfac::error naming the layer unless `t` is a dense, C-contiguous CPU or CUDA
-/// tensor of Scalar.
+/// tensor of float, double, bfloat16 or half (converted to the backend's type as it is read:
+/// README, "Precision").
 template <class Scalar>
 void check_tensor(const layer_state& l, const char* what, const at::Tensor& t) {
     (void)memory_space_of(l, what, t.device());
     if (t.layout() != c10::kStrided)
         throw error("torch adapter: " + l.who() + ": " + what + " is not a dense (strided) tensor");
-    if (t.scalar_type() != scalar_type_of<Scalar>())
+    if (!format_of(t.scalar_type()))
         throw error("torch adapter: " + l.who() + ": " + what + " has dtype " +
-                    std::string(c10::toString(t.scalar_type())) + " but the tracker's scalar type is " +
-                    scalar_name<Scalar>() + "; use kfac::torch::tracker<" +
-                    (std::is_same_v<Scalar, float> ? "double" : "float") +
-                    "> with a backend of that scalar type (cpu_eigen, cuda), or convert the model");
+                    std::string(c10::toString(t.scalar_type())) +
+                    ", which kfac does not read; kfac reads float, double, bfloat16 and half tensors (the "
+                    "tracker's " + scalar_name<Scalar>() + " is the backend's compute type): convert the model");
     if (!t.is_contiguous())
         throw error("torch adapter: " + l.who() + ": " + what + " is not contiguous (sizes " +
                     c10::str(t.sizes()) + ", strides " + c10::str(t.strides()) +
@@ -77,13 +91,18 @@ void check_tensor(const layer_state& l, const char* what, const at::Tensor& t) {
                     "memory: keep the parameters and their .grad() contiguous (no channels_last)");
 }
 
-template <class T>
-tensor_view<T> view_of(const layer_state& l, const char* what, const at::Tensor& t) {
-    return tensor_view<T>::from_extents(static_cast<T*>(t.data_ptr()), t.sizes(), memory_space_of(l, what, t.device()));
+/// The view of a checked tensor, in its own format. `Void`: const void or void.
+template <class Void>
+number_view<Void> view_of(const layer_state& l, const char* what, const at::Tensor& t) {
+    number_view<Void> v;
+    static_cast<tensor_view<Void>&>(v) =
+        tensor_view<Void>::from_extents(t.data_ptr(), t.sizes(), memory_space_of(l, what, t.device()));
+    v.format = *format_of(t.scalar_type());
+    return v;
 }
 
 template <class Scalar>
-tensor_view<Scalar> gradient_view(const layer_state& l, const at::Tensor& param, const char* what) {
+number_view<void> gradient_view(const layer_state& l, const at::Tensor& param, const char* what) {
     if (!param.requires_grad())
         throw error("torch adapter: " + l.who() + ": the " + what + " has requires_grad = false (frozen), so "
                     "it has no gradient to precondition; leave the layer out (kfac::torch::register_modules "
@@ -95,7 +114,7 @@ tensor_view<Scalar> gradient_view(const layer_state& l, const at::Tensor& param,
                     "both the weight and the bias");
     const std::string name = std::string(what) + ".grad()";
     check_tensor<Scalar>(l, name.c_str(), g);
-    return view_of<Scalar>(l, name.c_str(), g);
+    return view_of<void>(l, name.c_str(), g);
 }
 
 }  // namespace detail
