@@ -26,8 +26,10 @@
 #   5. the LibTorch CUDA programs, configured against the Python torch's LibTorch
 #      (torch.utils.cmake_prefix_path) when CMake, Eigen and the torch package are there:
 #      kfac_torch_cuda_tests, the Fashion-MNIST flagship (CNN and ResNet-8) with --device cuda
-#      when its data set is there (DIR/fashion-mnist or KFAC_FASHION_MNIST_DIR), and the
-#      transformer example with --device cuda.
+#      when its data set is there (DIR/fashion-mnist or KFAC_FASHION_MNIST_DIR), the CNN again
+#      with --precision bf16 and fp16, and the transformer example with --device cuda.
+#   (Step 1's kfac_cuda_kinds_tests holds the mixed-precision GPU checks: bf16 device views
+#   against the CPU backend under a loss scale, fp64 decompositions.)
 # Logs and JSON lines go to $OUT when set (the device tool's output folder), else DIR/results.
 set -uo pipefail
 mode=${1:?usage: bench/gpu_checks.sh pack|run|local [DIR]}
@@ -117,6 +119,12 @@ run() {
             step flagship_cuda_cnn "$flagship" --device cuda --model cnn --data "$data" --csv "$out/flagship_cnn.csv" --no-plot
             step flagship_cuda_resnet "$flagship" --device cuda --model resnet --data "$data" --csv "$out/flagship_resnet.csv" \
                 --no-plot
+            # Mixed precision on the GPU (README, "Precision"): CUDA autocast in bf16, and in fp16
+            # with the dynamic loss scaler and K-FAC's overflow skips.
+            for p in bf16 fp16; do
+                step "flagship_cuda_cnn_$p" "$flagship" --device cuda --model cnn --precision "$p" --data "$data" \
+                    --csv "$out/flagship_cnn_$p.csv" --no-plot
+            done
         fi
         local transformer
         transformer=$(find build-torch-cuda -type f -name kfac_torch_transformer -perm -u+x | head -1)

@@ -32,7 +32,7 @@ public:
     [[nodiscard]] virtual const kfac::options& get_options() const = 0;
     [[nodiscard]] virtual bool is_registered(const std::string& name) const = 0;
     virtual void on_non_finite(std::function<void(const kfac::non_finite_event&)> callback) = 0;
-    virtual void step() = 0;
+    virtual kfac::step_result step() = 0;
     virtual void save(const std::filesystem::path& path) = 0;
     virtual void load(const std::filesystem::path& path) = 0;
     [[nodiscard]] virtual std::int64_t steps() const = 0;
@@ -79,7 +79,7 @@ public:
     void on_non_finite(std::function<void(const kfac::non_finite_event&)> callback) override {
         p_.on_non_finite(std::move(callback));
     }
-    void step() override { p_.step(); }
+    kfac::step_result step() override { return p_.step(); }
     void save(const std::filesystem::path& path) override { p_.save(path); }
     void load(const std::filesystem::path& path) override { p_.load(path); }
     [[nodiscard]] std::int64_t steps() const override { return p_.steps(); }

@@ -56,6 +56,7 @@
 #include "cli.hpp"
 #include "fashion_mnist_dataset.hpp"
 #include "kfac_handle.hpp"
+#include "mixed_precision.hpp"
 #include "models.hpp"
 #include "progress_bar.hpp"
 #include "run_plot.hpp"
@@ -150,6 +151,7 @@ struct settings {
     std::string strategy = "comm_opt";
     bool reference = false;  // --reference: kfac-pytorch's K-FAC, named kfac_reference
     std::string device = "cpu";  // --device cuda: LibTorch on the GPU, K-FAC on backend::cuda
+    std::string precision = "fp32";  // --precision bf16 (autocast) | fp16 (CUDA autocast, loss scaling)
 };
 
 /// The tuned defaults of each model (README.md, "How the defaults were tuned"): each
@@ -196,6 +198,8 @@ void usage() {
         "  --seed N               initial weights and batch order (default 1)\n"
         "  --threads N            LibTorch's and kfac's threads, 0 for every core (default 0)\n"
         "  --device cpu|cuda      where the model trains; cuda: on the GPU with K-FAC on backend::cuda\n"
+        "  --precision fp32|bf16|fp16   bf16: forward under autocast in bfloat16 (CPU or CUDA); fp16: CUDA\n"
+        "                         autocast in half with dynamic loss scaling; runs are named *_bf16, *_fp16\n"
         "                         (needs a LibTorch built with CUDA and this program built with nvcc)\n"
         "  --batch N              minibatch size (default 128)\n"
         "  --lr X, --momentum X, --weight-decay X             SGD's (defaults: the model's)\n"
@@ -241,6 +245,11 @@ settings read_settings(int argc, char** argv, bool& help) {
     s.threads = static_cast<int>(args.integer("threads", s.threads));
     s.device = args.text("device", s.device);
     if (s.device != "cpu" && s.device != "cuda") throw cli_error("--device must be cpu or cuda, not '" + s.device + "'");
+    s.precision = args.text("precision", s.precision);
+    if (s.precision != "fp32" && s.precision != "bf16" && s.precision != "fp16")
+        throw cli_error("--precision must be fp32, bf16 or fp16, not '" + s.precision + "'");
+    if (s.precision == "fp16" && s.device != "cuda")
+        throw cli_error("--precision fp16 needs --device cuda (LibTorch's CPU autocast computes in bfloat16 only)");
     s.batch = static_cast<int>(args.integer("batch", s.batch));
     for (auto [prefix, o] : {std::pair{std::string(""), &s.sgd}, std::pair{std::string("kfac-"), &s.kfac}}) {
         o->lr = args.number(prefix + "lr", o->lr);
@@ -371,6 +380,7 @@ public:
         optimizer_ = std::make_unique<torch::optim::SGD>(
             model_.module->parameters(),
             torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+        if (s.precision == "fp16") scaler_ = std::make_unique<kfac::torch::grad_scaler>();
     }
 
     /// Attaches K-FAC: tracks the model's Conv2d/Linear layers; says what it left to SGD.
@@ -400,6 +410,7 @@ public:
         if (o_.damping_mode == "factored") opts.damping_mode = kfac::damping_form::factored;
         opts.relative_damping = o_.relative_damping;
         opts.threads = settings_.threads;
+        if (scaler_) opts.loss_scale = scaler_->loss_scale();  // --precision fp16
         // The BatchNorm layers stay the optimizer's, as kfac-pytorch leaves them: the figures
         // in README.md are this preconditioner's against the reference's (remove the pattern
         // to give them their unit-wise K-FAC blocks too).
@@ -460,12 +471,22 @@ public:
             // assumes); the ranks' gradients, weighted by their slices' shares, sum to the
             // minibatch's mean loss's (in one process: the mean loss itself).
             const std::int64_t mine = std::max<std::int64_t>(1, hi - lo);
-            auto loss = F::cross_entropy(model_.forward(x), y, F::CrossEntropyFuncOptions().reduction(torch::kSum)) /
+            at::Tensor logits;
+            {
+                const mixed_precision::autocast_scope autocast(settings_.precision, settings_.device);
+                logits = model_.forward(x);
+            }
+            auto loss = F::cross_entropy(logits.to(torch::kFloat), y, F::CrossEntropyFuncOptions().reduction(torch::kSum)) /
                         static_cast<double>(mine);
-            loss.backward();
+            if (scaler_) scaler_->scale(loss).backward();
+            else loss.backward();
             sum_gradients(static_cast<double>(hi - lo) / static_cast<double>(count));
-            if (precond_) precond_->step();  // every tracked .grad() is now preconditioned
-            optimizer_->step();
+            if (scaler_) scaler_->unscale(*optimizer_);
+            // Every tracked .grad() is now preconditioned, unless the loss scale overflowed this
+            // step: K-FAC then skipped it, and so does the optimizer (the scaler's verdict).
+            const bool skipped = precond_ ? precond_->step().skipped : scaler_ && scaler_->found_inf();
+            if (!skipped) optimizer_->step();
+            if (scaler_) scaler_->update();
             ++step_;
             std::vector<double> l{loss.item<double>() * static_cast<double>(hi - lo) / static_cast<double>(count)};
             procs_.sum(l);
@@ -605,6 +626,7 @@ private:
     const processes& procs_;
     fashion::classifier model_;
     std::unique_ptr<torch::optim::SGD> optimizer_;
+    std::unique_ptr<kfac::torch::grad_scaler> scaler_;  // --precision fp16 (before precond_: outlives it)
     std::optional<cpu_preconditioner::backend_type::serial_blas_scope> one_blas_thread_;
     std::unique_ptr<kfac::torch::tracker<float>> tracker_;  // before precond_: destroyed after it
     std::unique_ptr<kfac_handle> precond_;
@@ -696,13 +718,15 @@ int main_body(int argc, char** argv) {
     const std::int64_t steps_total = steps_per_epoch * s.epochs;
 
     std::vector<std::unique_ptr<run>> runs;
-    if (s.optimizers != "kfac") runs.push_back(std::make_unique<run>("sgd", s, s.sgd, procs));
+    const std::string suffix = s.precision == "fp32" ? "" : "_" + s.precision;  // sgd_bf16 beside sgd
+    if (s.optimizers != "kfac") runs.push_back(std::make_unique<run>("sgd" + suffix, s, s.sgd, procs));
     if (s.optimizers != "sgd") {
         // A run with the approximate refresh is named apart (kfac_reuse_0.05), so its rows plot
         // beside exact ones.
         std::ostringstream name;
         if (s.kfac.eigenbasis_reuse > 0.0) name << "kfac_reuse_" << s.kfac.eigenbasis_reuse;  // 6 significant digits
         else name << (s.reference ? "kfac_reference" : "kfac");
+        if (s.precision != "fp32") name << "_" << s.precision;
         runs.push_back(std::make_unique<run>(name.str(), s, s.kfac, procs));
         runs.back()->attach_kfac(steps_total);
     }

@@ -28,6 +28,9 @@ static_assert(kfac::detail::backend_with_diagonal_factors<kfac::backend::cuda<fl
 static_assert(kfac::detail::backend_with_eigenbasis_reuse<kfac::backend::cuda<float>>);
 static_assert(kfac::detail::backend_with_gradient_checks<kfac::backend::cuda<float>>);
 static_assert(kfac::detail::backend_with_batched_eigen<kfac::backend::cuda<double>>);
+static_assert(kfac::backend::backend_with_fp64_decompositions<kfac::backend::cuda<float>>);
+static_assert(kfac::detail::backend_with_device_conversion<kfac::backend::cuda<float>>);
+static_assert(kfac::precision_of<__nv_bfloat16> == kfac::precision::bf16 && kfac::precision_of<__half> == kfac::precision::fp16);
 
 namespace {
 
@@ -264,6 +267,69 @@ TEST_CASE("a non-update step with device views waits for the device once", "[cud
     CHECK(cost.synchronizations == 1);
     CHECK(cost.device_to_host == 1);
     CHECK(cost.host_to_device == 1);
+}
+
+/// A buffer of any number type, widened to double.
+template <class T>
+std::vector<double> as_doubles(const std::vector<T>& v) {
+    std::vector<double> out(v.size());
+    kfac::detail::widen(v.data(), static_cast<index>(v.size()), kfac::precision_of<T>, out.data());
+    return out;
+}
+
+TEST_CASE("bf16 host and device views on the GPU match bf16 views on the CPU, under a loss scale", "[cuda][precision]") {
+    // Both backends compute in float from the same bf16 values: the float backends' tolerance,
+    // plus the written gradients' one rounding to bf16 each side (2 u_bf16 apart at most).
+    using gpu_backend = kfac::backend::cuda<float>;
+    const double tol = backend_tolerance<float>() + 2 * kfac::unit_roundoff(kfac::precision::bf16);
+    for (bool device_views : {false, true}) {
+        INFO((device_views ? "device" : "host") << " views");
+        auto o = kinds_options();
+        o.loss_scale = 4.0;  // the overflow vote reads every view (on the device: a kernel)
+        kfac::KFAC<kfac::backend::cpu_eigen<float>> cpu(o);
+        kfac::KFAC<gpu_backend> gpu(o);
+        auto layers = twins<Eigen::bfloat16>(device_views);
+        const auto names = every_kind<Eigen::bfloat16>();
+        for (std::size_t i = 0; i < layers.size(); ++i) {
+            cpu.register_layer(names[i].first, layers[i].cpu.view);
+            gpu.register_layer(names[i].first, layers[i].gpu.view);
+        }
+        for (int step = 0; step < 3; ++step) {
+            CHECK_FALSE(cpu.step().skipped);
+            CHECK_FALSE(gpu.step().skipped);
+            for (std::size_t i = 0; i < layers.size(); ++i) {
+                INFO("layer " << names[i].first << ", step " << step);
+                CHECK(buffer_rel_err(as_doubles(layers[i].gpu_weight_gradient()), as_doubles(layers[i].cpu.grad_weight)) < tol);
+                CHECK(buffer_rel_err(as_doubles(layers[i].gpu_bias_gradient()), as_doubles(layers[i].cpu.grad_bias)) < tol);
+            }
+            for (const auto& info : cpu.layers()) {
+                INFO("factors of " << info.name << ", step " << step);
+                CHECK(rel_err(gpu_backend::to_host(gpu.a_factor(info.name)), cpu.a_factor(info.name)) < tol);
+                CHECK(rel_err(gpu_backend::to_host(gpu.g_factor(info.name)), cpu.g_factor(info.name)) < tol);
+            }
+            for (std::size_t i = 0; i < layers.size(); ++i) layers[i].refill_gradients(300 + 7 * static_cast<std::uint32_t>(i + 10 * step));
+        }
+    }
+}
+
+TEST_CASE("fp64 decompositions on the GPU equal the CPU's", "[cuda][precision]") {
+    using gpu_backend = kfac::backend::cuda<float>;
+    auto o = kinds_options();
+    o.fp64_decompositions = true;
+    kfac::KFAC<kfac::backend::cpu_eigen<float>> cpu(o);
+    kfac::KFAC<gpu_backend> gpu(o);
+    auto layers = twins<float>(true);
+    const auto names = every_kind<float>();
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+        cpu.register_layer(names[i].first, layers[i].cpu.view);
+        gpu.register_layer(names[i].first, layers[i].gpu.view);
+    }
+    cpu.step();
+    gpu.step();
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+        INFO("layer " << names[i].first);
+        CHECK(buffer_rel_err(layers[i].gpu_weight_gradient(), layers[i].cpu.grad_weight) < backend_tolerance<float>());
+    }
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <limits>
+
 #include <thrust/system/cpp/execution_policy.h>
 
 #include <kfac/backend/detail/device_kernels.cuh>
@@ -198,3 +200,31 @@ TEST_CASE("finiteness counts and the double-accumulated dot product", "[cuda][ke
 }
 
 }  // namespace
+
+TEST_CASE("the format kernels round as the host does: bf16/fp16 device views", "[cuda][kernels][precision]") {
+    // widen_elements and narrow_elements run the host's constexpr conversions per element
+    // (kfac/detail/number_conversion.hpp, checked against the definition of rounding in
+    // tests/unit/precision_inputs_test.cpp); here, that the kernels apply them element by
+    // element, in both formats, from float and from double, specials included.
+    std::vector<double> values = random_vector<double>(4096, 17, 300.0);
+    for (double x : {0.0, -0.0, 1.0 + 0x1p-8 + 0x1p-40, 65504.0, 65520.0, 1e-8, -3e38, 1e300,
+                     std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()})
+        values.push_back(x);
+    const auto n = static_cast<std::int64_t>(values.size());
+    for (const kfac::precision f : {kfac::precision::bf16, kfac::precision::fp16}) {
+        std::vector<std::uint16_t> from_double(values.size()), host(values.size());
+        kernels::narrow_elements(thrust::cpp::par, values.data(), n, f, from_double.data());
+        kfac::detail::narrow(values.data(), n, f, host.data());
+        CHECK(from_double == host);
+        std::vector<float> floats(values.begin(), values.end());
+        std::vector<std::uint16_t> from_float(values.size()), host_float(values.size());
+        kernels::narrow_elements(thrust::cpp::par, floats.data(), n, f, from_float.data());
+        kfac::detail::narrow(floats.data(), n, f, host_float.data());
+        CHECK(from_float == host_float);
+        std::vector<double> widened(values.size()), host_widened(values.size());
+        kernels::widen_elements(thrust::cpp::par, from_double.data(), n, f, widened.data());
+        kfac::detail::widen(from_double.data(), n, f, host_widened.data());
+        for (std::size_t i = 0; i < values.size(); ++i)
+            CHECK((widened[i] == host_widened[i] || (std::isnan(widened[i]) && std::isnan(host_widened[i]))));
+    }
+}

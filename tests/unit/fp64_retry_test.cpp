@@ -123,3 +123,20 @@ TEST_CASE("fp64_decompositions on a float backend: double eigenpairs rounded onc
         CHECK(buffer_rel_err(g, exact[i]) <= 1e-2);
     }
 }
+
+TEST_CASE("a checkpoint saved with fp64_decompositions resumes exactly only with it", "[fp64_retry]") {
+    kfac::options fp64;
+    fp64.fp64_decompositions = true;
+    kfac::KFAC<kfac::backend::cpu_eigen<float>> saved(fp64), plain, same(fp64);
+    two_steps(saved);
+    const std::string bytes = saved.save_bytes();
+    two_steps(plain);
+    const auto before = plain.save_bytes();
+    CHECK_THROWS_WITH(plain.load_bytes(bytes), Catch::Contains("fp64_decompositions") && Catch::Contains("true"));
+    CHECK(plain.save_bytes() == before);  // unchanged by the refused load
+    two_steps(same);
+    same.load_bytes(bytes);
+    CHECK(same.steps() == 2);
+    plain.load_bytes(bytes, {.allow_changed_options = true});
+    CHECK(plain.steps() == 2);
+}

@@ -50,9 +50,12 @@
 #include "kfac/backend/detail/device_kernels.cuh"
 #include "kfac/backend/detail/device_layer_kernels.cuh"
 #include "kfac/config.hpp"
+#include "kfac/layers/cuda_number_formats.cuh"
 #include "kfac/layers/im2col.hpp"
 #include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/number_view.hpp"
 #include "kfac/layers/tensor_view.hpp"
+#include "kfac/precision.hpp"
 #include "kfac/options.hpp"
 
 namespace kfac::backend {
@@ -286,6 +289,38 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
             return all_finite(inverse);
         }
     }
+    // --- device views in another format (README, "Precision") -------------------------------
+
+    /// A device view of bf16, fp16 or the other of float/double, read into `buffer` as Scalar.
+    static tensor_view<const Scalar> widen_device_view(const number_view<const void>& v, channel_buffer& buffer) {
+        const auto n = static_cast<std::size_t>(v.size());
+        buffer.reserve(n);
+        calls::launch("widen_elements", [&] {
+            if (v.format == precision::bf16 || v.format == precision::fp16)
+                kernels::widen_elements(calls::policy(), static_cast<const std::uint16_t*>(v.data), v.size(), v.format,
+                                        buffer.data());
+            else if (v.format == precision::fp32)
+                kernels::convert(calls::policy(), static_cast<const float*>(v.data), v.size(), buffer.data());
+            else
+                kernels::convert(calls::policy(), static_cast<const double*>(v.data), v.size(), buffer.data());
+        });
+        tensor_view<const Scalar> out = v.template as<const Scalar>();
+        out.data = buffer.data();
+        return out;
+    }
+    /// `count` values of Scalar (device memory) written into a device view of another format,
+    /// each rounded once to nearest.
+    static void narrow_device_view(const Scalar* from, const number_view<void>& to) {
+        calls::launch("narrow_elements", [&] {
+            if (to.format == precision::bf16 || to.format == precision::fp16)
+                kernels::narrow_elements(calls::policy(), from, to.size(), to.format, static_cast<std::uint16_t*>(to.data));
+            else if (to.format == precision::fp32)
+                kernels::convert(calls::policy(), from, to.size(), static_cast<float*>(to.data));
+            else
+                kernels::convert(calls::policy(), from, to.size(), static_cast<double*>(to.data));
+        });
+    }
+
     /// A device matrix in another floating-point type.
     template <class To, class From>
     static cuda_detail::device_matrix<To> converted(const cuda_detail::device_matrix<From>& m) {

@@ -7,7 +7,9 @@
 /// preconditioner's save() and load() move the data; this header names it.
 ///
 /// Tensors (C order, the scalar type of the preconditioner that wrote them, F32 or F64):
-///   `<layer>.A`, `<layer>.G`            running factors (symmetric)
+///   `<layer>.A`, `<layer>.G`            running factors (symmetric); BF16 or F16 when kept in
+///        options.factor_storage, an F16 one scaled by 2^k with metadata `fp16_exponent.<tensor>`
+///        = k (k ≠ 0)
 ///   `<layer>.<method tensor>`           second-order data in force, unless saved without it:
 ///        eigendecomposition: A.eigenvectors, A.eigenvalues, G.eigenvectors, G.eigenvalues and,
 ///        with compute_eigenvalue_outer_product, eigenvalue_product_inverse (A_dim × G_dim);
@@ -100,7 +102,8 @@ inline const std::string statistics_weight_prefix = "statistics_weight.";
     static const char* const names[] = {"damping", "factor_decay", "lr", "kl_clip", "factor_update_steps",
                                         "inv_update_steps", "accumulation_steps", "conv_patches",
                                         "compute_eigenvalue_outer_product", "eigenbasis_reuse_tolerance",
-                                        "statistics", "averaging", "damping_mode", "relative_damping"};
+                                        "statistics", "averaging", "damping_mode", "relative_damping",
+                                        "fp64_decompositions"};
     for (const char* n : names)
         if (option == n) return true;
     return false;
@@ -112,7 +115,7 @@ inline const std::string statistics_weight_prefix = "statistics_weight.";
     if (option == "eigenbasis_reuse_tolerance") return "0";  // exact decompositions
     // The curvature modes: kfac-pytorch's statistics, averaging and damping.
     if (option == "statistics" || option == "averaging" || option == "damping_mode") return "reference";
-    if (option == "relative_damping") return "false";
+    if (option == "relative_damping" || option == "fp64_decompositions") return "false";
     return {};
 }
 

@@ -11,6 +11,7 @@
 
 #include <charconv>
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -219,6 +220,18 @@ struct checkpoint_io {
                             it->second + ", this preconditioner has " + mine + "; set the option as saved, or load "
                             "with load_options{.recompute_second_order = true}");
             throw error(where + "options." + option + " was " + it->second + " when it was saved and is " + mine +
+                        " now; a resume is exact only with the same options. Set it as saved, or load with "
+                        "load_options{.allow_changed_options = true} to continue with the new value");
+        }
+        // An option this configuration leaves out at its default (the mixed-precision ones)
+        // that the file recorded set.
+        if (o.allow_changed_options) return;
+        const auto mine = saved_option_values(p.configuration());
+        for (const auto& [option, saved] : h.options) {
+            const std::string implicit = checkpoint::value_before_option_existed(option);
+            if (!checkpoint::shapes_the_numbers(option) || implicit.empty() || same_option_value(saved, implicit)) continue;
+            if (std::any_of(mine.begin(), mine.end(), [&](const auto& m) { return m.first == option; })) continue;
+            throw error(where + "options." + option + " was " + saved + " when it was saved and is " + implicit +
                         " now; a resume is exact only with the same options. Set it as saved, or load with "
                         "load_options{.allow_changed_options = true} to continue with the new value");
         }

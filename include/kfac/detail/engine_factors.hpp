@@ -138,6 +138,13 @@ void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update,
     try {
         if (factor_update) capture_pass();
         agree_on([&] { end_pass(); });
+        // The pass is folded in: copies of views in another format than the compute type go
+        // (they would double a bf16 model's activation memory between steps).
+        for (auto& l : layers_) {
+            l.scratch.activations.clear();
+            l.scratch.output_gradients.clear();
+            std::vector<converted_view<Backend>>().swap(l.scratch.converted);
+        }
     } catch (...) {
         for (std::size_t i = 0; i < folded.size(); ++i) {
             layers_[i].statistics.a_sum = std::move(folded[i].first);

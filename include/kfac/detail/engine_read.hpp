@@ -123,7 +123,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_statistics() {
                 for (const auto& [view, what] : {std::pair{&a, "activations"}, std::pair{&g, "output gradients"}}) {
                     detail::check_extents(who, what, *view);
                     detail::check_memory_space(who, what, *view, device_backend, device_probe);
-                    detail::check_convertible<scalar_type>(who, what, *view);
+                    detail::check_convertible<Backend>(who, what, *view);
                 }
                 const auto j = 2 * static_cast<std::size_t>(i);
                 s.activations.push_back(detail::in_compute_precision(a, s.converted[j]));
@@ -165,8 +165,8 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_gradients() {
             const auto b = l.host.bias_gradient(l.host.layer);
             detail::check_gradient_views(l.host.name, l.host.description, w, b, device_backend, device_probe);
             const named_layer who = named(l);
-            detail::check_convertible<scalar_type>(who, "weight gradient", w);
-            detail::check_convertible<scalar_type>(who, "bias gradient", b);
+            detail::check_convertible<Backend>(who, "weight gradient", w);
+            detail::check_convertible<Backend>(who, "bias gradient", b);
             s.host_weight_gradient = group_rows(w, l.host.group, l.host.description.groups());
             s.host_bias_gradient = group_rows(b, l.host.group, l.host.description.groups());
             s.weight_gradient = detail::in_compute_precision(s.host_weight_gradient, s.weight_copy);

@@ -236,8 +236,8 @@ memory_report engine<Backend, CommPolicy, ComputeMethod>::memory_usage() const {
     for (const auto& l : layers_) {
         m.factors += storage_.bytes(l.state);
         m.statistics += bytes(l.statistics.a_sum) + bytes(l.statistics.g_sum);
-        for (const auto& copy : l.scratch.converted) m.statistics += copy.size() * sizeof(scalar_type);
-        m.gradients += (l.scratch.weight_copy.size() + l.scratch.bias_copy.size()) * sizeof(scalar_type);
+        for (const auto& copy : l.scratch.converted) m.statistics += copy.bytes();
+        m.gradients += l.scratch.weight_copy.bytes() + l.scratch.bias_copy.bytes();
         for (const auto& channels : l.scratch.group_channels) m.statistics += channels.size() * sizeof(scalar_type);
         method::for_each_tensor(l.state.second, [&](const char*, const auto& x, int) { m.second_order += bytes(x); });
         m.gradients += bytes(l.scratch.gamma) + bytes(l.scratch.preconditioned);

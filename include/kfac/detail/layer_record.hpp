@@ -19,6 +19,7 @@
 #include "kfac/detail/factor_storage.hpp"
 #include "kfac/detail/group_views.hpp"
 #include "kfac/detail/layer_binding.hpp"
+#include "kfac/detail/view_conversion.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/number_view.hpp"
 #include "kfac/layers/tensor_view.hpp"
@@ -90,8 +91,8 @@ struct layer_scratch {
     tensor_view<scalar> weight_gradient, bias_gradient;
     /// Compute-type copies of views in another format: [2i] application i's activations,
     /// [2i + 1] its output gradients (held from the checks to the end of the pass).
-    std::vector<std::vector<scalar>> converted;
-    std::vector<scalar> weight_copy, bias_copy;
+    std::vector<converted_view<Backend>> converted;
+    converted_view<Backend> weight_copy, bias_copy;
     /// The host's gradient views (the record's rows), written back from the copies.
     number_view<void> host_weight_gradient, host_bias_gradient;
     /// a_factor()/g_factor() of a layer whose factors are packed (options.factor_storage).

@@ -21,11 +21,14 @@
 
 namespace kfac::detail {
 
-[[nodiscard]] inline float bf16_bits_to_float(std::uint16_t h) noexcept {
+// The element conversions are constexpr and use only integer operations and casts, so that
+// the CUDA backend's kernels call the same code on the device (nvcc's relaxed constexpr).
+
+[[nodiscard]] constexpr float bf16_bits_to_float(std::uint16_t h) noexcept {
     return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
 }
 
-[[nodiscard]] inline float fp16_bits_to_float(std::uint16_t h) noexcept {
+[[nodiscard]] constexpr float fp16_bits_to_float(std::uint16_t h) noexcept {
     const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
     const std::uint32_t exponent = (h >> 10) & 0x1Fu;
     const std::uint32_t mantissa = h & 0x3FFu;
@@ -36,33 +39,36 @@ namespace kfac::detail {
 }
 
 /// x rounded to float with rounding to odd (see the file comment); infinities and NaN pass.
-[[nodiscard]] inline float round_to_odd_float(double x) noexcept {
-    float f = static_cast<float>(x);
-    if (std::isnan(x) || static_cast<double>(f) == x) return f;
-    if (std::isinf(f)) f = std::copysign(std::numeric_limits<float>::max(), f);  // finite x beyond float
-    if (std::abs(static_cast<double>(f)) > std::abs(x)) f = std::nextafter(f, 0.0f);  // truncate
-    auto bits = std::bit_cast<std::uint32_t>(f);
-    return std::bit_cast<float>(bits | 1u);  // odd: the neighbour of the two whose last bit is set
+[[nodiscard]] constexpr float round_to_odd_float(double x) noexcept {
+    const float f = static_cast<float>(x);
+    if (x != x || static_cast<double>(f) == x) return f;  // NaN, or exact
+    std::uint32_t bits = std::bit_cast<std::uint32_t>(f);
+    const double magnitude = x < 0 ? -x : x;
+    const std::uint32_t sign = bits & 0x80000000u;
+    std::uint32_t m = bits & 0x7FFFFFFFu;  // |f|'s bits: they increase with |f|
+    if (m == 0x7F800000u) m = 0x7F7FFFFFu;  // a finite x beyond float: truncate to the largest
+    if (static_cast<double>(std::bit_cast<float>(m)) > magnitude) --m;  // truncate toward zero
+    return std::bit_cast<float>(sign | m | 1u);  // odd: the neighbour of the two whose last bit is set
 }
 
-[[nodiscard]] inline std::uint16_t float_to_bf16_bits(float f) noexcept {
+[[nodiscard]] constexpr std::uint16_t float_to_bf16_bits(float f) noexcept {
     const auto bits = std::bit_cast<std::uint32_t>(f);
-    if (std::isnan(f)) return static_cast<std::uint16_t>((bits >> 16) | 0x40u);  // stays a (quiet) NaN
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<std::uint16_t>((bits >> 16) | 0x40u);  // a quiet NaN
     const std::uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);  // ties to even
     return static_cast<std::uint16_t>((bits + rounding) >> 16);
 }
 
-[[nodiscard]] inline std::uint16_t float_to_fp16_bits(float f) noexcept {
+[[nodiscard]] constexpr std::uint16_t float_to_fp16_bits(float f) noexcept {
     const auto bits = std::bit_cast<std::uint32_t>(f);
     const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
     const std::uint32_t magnitude = bits & 0x7FFFFFFFu;
-    if (magnitude > 0x7F800000u) return static_cast<std::uint16_t>(sign | 0x7E00u);  // NaN
+    if (magnitude > 0x7F800000u) return static_cast<std::uint16_t>(sign | 0x7E00u);   // NaN
     if (magnitude >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // ≥ 65520: inf
     if (magnitude < 0x38800000u) {
         // Below fp16's smallest normal 2^-14: a multiple of 2^-24, rounded by the float
-        // addition of 0.5 (exact ties to even on the integer part, below 2^23).
-        const float scaled = std::abs(f) * 0x1p24f;  // exact: a power-of-two scaling
-        const float sum = scaled + 0x1p23f;          // rounds to an integer, ties to even
+        // addition of 2^23 (ties to even on the integer part, which is below 2^11).
+        const float scaled = std::bit_cast<float>(magnitude) * 0x1p24f;  // exact: a power-of-two scaling
+        const float sum = scaled + 0x1p23f;
         const auto units = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(sum) - 0x4B000000u);
         return static_cast<std::uint16_t>(sign | units);
     }
@@ -70,6 +76,20 @@ namespace kfac::detail {
     const std::uint32_t rebiased = magnitude - (112u << 23);
     const std::uint32_t rounding = 0xFFFu + ((rebiased >> 13) & 1u);
     return static_cast<std::uint16_t>(sign | ((rebiased + rounding) >> 13));
+}
+
+/// x (a float or a double) rounded once to a 16-bit format, as its bits.
+template <class T>
+[[nodiscard]] constexpr std::uint16_t narrow_to_16_bits(T x, precision format) noexcept {
+    float f = 0.0f;
+    if constexpr (sizeof(T) == sizeof(float)) f = x;
+    else f = round_to_odd_float(x);
+    return format == precision::bf16 ? float_to_bf16_bits(f) : float_to_fp16_bits(f);
+}
+
+/// A 16-bit element's value (exact).
+[[nodiscard]] constexpr float widen_16_bits(std::uint16_t h, precision format) noexcept {
+    return format == precision::bf16 ? bf16_bits_to_float(h) : fp16_bits_to_float(h);
 }
 
 /// Element i of a buffer in `format`, as a double (exact).
@@ -100,15 +120,6 @@ void widen(const void* data, std::int64_t n, precision format, T* out) noexcept 
         const auto* d = static_cast<const double*>(data);
         for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(d[i]);
     }
-}
-
-/// x (a float or a double) rounded once to a 16-bit format, as its bits.
-template <class T>
-[[nodiscard]] std::uint16_t narrow_to_16_bits(T x, precision format) noexcept {
-    float f;
-    if constexpr (sizeof(T) == sizeof(float)) f = x;
-    else f = round_to_odd_float(x);
-    return format == precision::bf16 ? float_to_bf16_bits(f) : float_to_fp16_bits(f);
 }
 
 /// Writes n values (float or double) into a buffer in `format`, each rounded once to

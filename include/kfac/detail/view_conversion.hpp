@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kfac/detail/group_views.hpp"
 #include "kfac/detail/layer_checks.hpp"
 #include "kfac/detail/number_conversion.hpp"
 #include "kfac/layers/number_view.hpp"
@@ -24,49 +25,82 @@ template <class Scalar, class Void>
     return !v.empty() && v.format != precision_of<Scalar>;
 }
 
-/// A view in another format than the compute type must be in host memory: a device backend
-/// reads device views only in its own type.
-template <class Scalar, class Void>
+/// Whether the backend converts device views itself (a device backend: widen_device_view and
+/// narrow_device_view, kfac/backend/cuda.cuh).
+template <class Backend>
+concept backend_with_device_conversion = requires(const number_view<const void>& v, const number_view<void>& w,
+                                                  typename Backend::channel_buffer& buffer,
+                                                  const typename Backend::scalar_type* from) {
+    Backend::widen_device_view(v, buffer);
+    Backend::narrow_device_view(from, w);
+};
+
+/// Where a record keeps the compute-type copy of one view: host memory for a host view, the
+/// backend's device buffer for a device view.
+template <class Backend>
+struct converted_view {
+    using scalar = typename Backend::scalar_type;
+    std::vector<scalar> host;
+    typename channel_buffer_of<Backend, scalar>::type device{};
+    [[nodiscard]] std::size_t bytes() const noexcept { return (host.size() + device.size()) * sizeof(scalar); }
+};
+
+/// A view in another format than the compute type is read on the host, or in device memory
+/// by a backend that converts device views; anything else names the view and the fix.
+template <class Backend, class Void>
 void check_convertible(const named_layer& who, const char* what, const number_view<Void>& v) {
-    if (!needs_conversion<Scalar>(v) || v.space == memory_space::host) return;
+    using scalar = typename Backend::scalar_type;
+    if (!needs_conversion<scalar>(v) || v.space == memory_space::host || backend_with_device_conversion<Backend>)
+        return;
     throw layer_error(who, std::string("the ") + what + " view " + v.shape_string() + " holds " +
                                precision_name(v.format) + " elements in device memory, and the backend computes in " +
-                               precision_name(precision_of<Scalar>) +
-                               "; device views are read in the backend's own type only: hand the layer's tensors "
-                               "in " + precision_name(precision_of<Scalar>) + ", or host views in any format");
+                               precision_name(precision_of<scalar>) +
+                               " without converting device views; hand the layer's tensors in " +
+                               precision_name(precision_of<scalar>) + ", or host views in any format");
 }
 
-/// The view as Scalar: in place when it is, else widened (or, double into float, rounded to
-/// nearest) into `buffer`, which then holds the elements.
-template <class Scalar>
-[[nodiscard]] tensor_view<const Scalar> in_compute_precision(const number_view<const void>& v,
-                                                             std::vector<Scalar>& buffer) {
-    tensor_view<const Scalar> out = v.template as<const Scalar>();
-    if (!needs_conversion<Scalar>(v)) return out;
-    buffer.resize(static_cast<std::size_t>(v.size()));
-    widen(v.data, v.size(), v.format, buffer.data());
-    out.data = buffer.data();
+/// The view as the compute type: in place when it is, else widened (or, double into float,
+/// rounded to nearest) into `copy`, which then holds the elements.
+template <class Backend>
+[[nodiscard]] tensor_view<const typename Backend::scalar_type> in_compute_precision(const number_view<const void>& v,
+                                                                                   converted_view<Backend>& copy) {
+    using scalar = typename Backend::scalar_type;
+    tensor_view<const scalar> out = v.template as<const scalar>();
+    if (!needs_conversion<scalar>(v)) return out;
+    if (v.space == memory_space::device) {
+        if constexpr (backend_with_device_conversion<Backend>) return Backend::widen_device_view(v, copy.device);
+    }
+    copy.host.resize(static_cast<std::size_t>(v.size()));
+    widen(v.data, v.size(), v.format, copy.host.data());
+    out.data = copy.host.data();
     return out;
 }
 
-/// A writable view as Scalar: in place when it is, else a copy in `buffer` (which
+/// A writable view as the compute type: in place when it is, else a copy in `copy` (which
 /// store_converted() writes back).
-template <class Scalar>
-[[nodiscard]] tensor_view<Scalar> in_compute_precision(const number_view<void>& v, std::vector<Scalar>& buffer) {
-    tensor_view<Scalar> out = v.template as<Scalar>();
-    if (!needs_conversion<Scalar>(v)) return out;
-    buffer.resize(static_cast<std::size_t>(v.size()));
-    widen(v.data, v.size(), v.format, buffer.data());
-    out.data = buffer.data();
+template <class Backend>
+[[nodiscard]] tensor_view<typename Backend::scalar_type> in_compute_precision(const number_view<void>& v,
+                                                                             converted_view<Backend>& copy) {
+    using scalar = typename Backend::scalar_type;
+    const tensor_view<const scalar> read = in_compute_precision(as_const(v), copy);
+    tensor_view<scalar> out = v.template as<scalar>();
+    out.data = const_cast<scalar*>(read.data);  // the host's buffer, or our own copy
     return out;
 }
 
 /// Writes a converted copy back into the host's view, each element rounded once to the
 /// view's format (nothing to do for a view read in place).
-template <class Scalar>
-void store_converted(const std::vector<Scalar>& buffer, const number_view<void>& v) {
-    if (!needs_conversion<Scalar>(v)) return;
-    narrow(buffer.data(), v.size(), v.format, v.data);
+template <class Backend>
+void store_converted(const converted_view<Backend>& copy, const number_view<void>& v) {
+    using scalar = typename Backend::scalar_type;
+    if (!needs_conversion<scalar>(v)) return;
+    if (v.space == memory_space::device) {
+        if constexpr (backend_with_device_conversion<Backend>) {
+            Backend::narrow_device_view(copy.device.data(), v);
+            return;
+        }
+    }
+    narrow(copy.host.data(), v.size(), v.format, v.data);
 }
 
 }  // namespace kfac::detail

@@ -18,7 +18,9 @@
 #include <thrust/transform_reduce.h>
 #include <thrust/functional.h>
 
+#include "kfac/detail/number_conversion.hpp"
 #include "kfac/layers/im2col.hpp"
+#include "kfac/precision.hpp"
 
 #if defined(__CUDACC__)
 #define KFAC_HOST_DEVICE __host__ __device__
@@ -159,6 +161,22 @@ void scaled_identity(Policy&& policy, T* m, index n, T diagonal) {
 template <class Policy, class S, class D>
 void convert(Policy&& policy, const S* src, index count, D* dst) {
     for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { dst[t] = static_cast<D>(src[t]); });
+}
+
+/// out[t] ← the bf16 or fp16 element in[t] (its bits) as T: exact (a bf16/fp16 device view read
+/// into the compute type, README "Precision").
+template <class Policy, class T>
+void widen_elements(Policy&& policy, const std::uint16_t* in, index count, precision format, T* out) {
+    for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) {
+        out[t] = static_cast<T>(kfac::detail::widen_16_bits(in[t], format));
+    });
+}
+
+/// out[t] ← in[t] rounded once to nearest even in bf16 or fp16 (a preconditioned gradient
+/// written back into its view's format; the host's rounding, kfac/detail/number_conversion.hpp).
+template <class Policy, class T>
+void narrow_elements(Policy&& policy, const T* in, index count, precision format, std::uint16_t* out) {
+    for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { out[t] = kfac::detail::narrow_to_16_bits(in[t], format); });
 }
 
 template <class Policy, class T>
