@@ -390,6 +390,33 @@ TEST_CASE("a non-finite gradient on one rank only zeroes the layer on every rank
     }
 }
 
+TEST_CASE("under a loss scale, an overflow on one rank only skips the step on every rank", "[mpi][agreement][precision]") {
+    // The scaler of each rank sees the allreduced gradients; kfac's vote must reach the
+    // same verdict everywhere, or the ranks' factors and step counts would drift apart.
+    for (double f : {kfac::comm_opt, kfac::mem_opt}) {
+        model m;
+        kfac::options o;
+        o.grad_worker_fraction = f;
+        o.loss_scale = 256.0;
+        mpi_kfac<> p(o, kfac::comm::mpi());
+        m.register_all(p);
+        CHECK_FALSE(p.step().skipped);
+        std::vector<Eigen::MatrixXd> factors;  // what this rank holds, before the overflow
+        for (const auto& info : p.layers()) factors.push_back(p.a_factor(info.name));
+        if (world_rank() == world_size() - 1) m.layers[0].grad_weight[1] = std::numeric_limits<double>::infinity();
+        const kfac::step_result r = p.step();
+        INFO("fraction " << f << " rank " << world_rank());
+        CHECK(r.skipped);
+        CHECK(p.steps() == 1);
+        CHECK(p.health().skipped_steps == 1);
+        const auto layers = p.layers();
+        for (std::size_t i = 0; i < layers.size(); ++i) CHECK(p.a_factor(layers[i].name) == factors[i]);
+        if (world_rank() == world_size() - 1) m.layers[0].grad_weight[1] = 0.0;
+        CHECK_FALSE(p.step().skipped);
+        CHECK(p.steps() == 2);
+    }
+}
+
 TEST_CASE("an invalid fraction names the valid values", "[mpi][errors]") {
     if (world_size() != 3) return;
     model m;
