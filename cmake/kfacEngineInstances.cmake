@@ -14,6 +14,7 @@
 #
 #   kfac_engines       cpu_eigen<float|double> x comm::serial x eigendecomposition|inverse
 #   kfac_engines_mpi   the same with comm::mpi (when MPI is found), plus kfac_engines
+#   kfac_engines_process_group   cpu_eigen<double> x comm::process_group (when LibTorch is found)
 #
 # Only for programs built with the same definitions and target flags as the library they link
 # (a program compiled with other BLAS or Eigen settings, as kfac_traces_fixed and the Prescott
@@ -23,8 +24,12 @@
 # alignment is defined: a program of another alignment fails to link.
 set(kfac_engines_dir ${PROJECT_BINARY_DIR}/kfac_engines)
 
-# kfac_add_engines(<target> <comm: serial|mpi> <quoted header to include>...)
+# kfac_add_engines(<target> <comm: serial|mpi|process_group> <quoted header to include>...)
+# The scalar types are kfac_engine_scalars when the caller sets it, else float and double.
 function(kfac_add_engines target comm)
+  if(NOT kfac_engine_scalars)
+    set(kfac_engine_scalars float double)
+  endif()
   set(header ${kfac_engines_dir}/${target}.hpp)
   string(TOUPPER ${target} TARGET)
   set(includes)
@@ -33,7 +38,7 @@ function(kfac_add_engines target comm)
   endforeach()
   set(declarations)
   set(definitions)
-  foreach(scalar float double)
+  foreach(scalar IN LISTS kfac_engine_scalars)
     foreach(method eigendecomposition inverse)
       set(type "kfac::detail::engine<kfac::backend::cpu_eigen<${scalar}>, kfac::comm::${comm}, kfac::compute::${method}>")
       string(APPEND declarations "extern template class ${type};\n")
@@ -68,6 +73,14 @@ kfac_add_engines(kfac_engines serial "\"kfac/kfac.hpp\"")
 if(KFAC_HAS_MPI)
   kfac_add_engines(kfac_engines_mpi mpi "\"kfac/kfac.hpp\"" "\"kfac/comm/mpi.hpp\"")
   target_link_libraries(kfac_engines_mpi PUBLIC kfac::mpi kfac_engines)
+endif()
+if(KFAC_HAS_C10D)
+  # Double only: every program over comm::process_group here (tests/process_group, the README's)
+  # computes in double; the float pair would add about 60 s of CPU to the build.
+  set(kfac_engine_scalars double)
+  kfac_add_engines(kfac_engines_process_group process_group "\"kfac/kfac.hpp\"" "\"kfac/comm/process_group_gloo.hpp\"")
+  unset(kfac_engine_scalars)
+  target_link_libraries(kfac_engines_process_group PUBLIC kfac::c10d kfac_engines)
 endif()
 
 # No engine library for backend::cuda: tried and measured, it cost more than it saved. Its two

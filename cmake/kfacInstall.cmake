@@ -5,12 +5,13 @@
 # gets its own export set, so the core package file never mentions MPI or CUDA:
 #
 #   <prefix>/include/kfac/...                       the headers (the targets' FILE_SETs)
-#   <prefix>/share/cmake/kfac/kfacConfig.cmake      components: mpi, cuda
+#   <prefix>/share/cmake/kfac/kfacConfig.cmake      components: mpi, cuda, c10d
 #   <prefix>/share/cmake/kfac/kfacConfigVersion.cmake
 #   <prefix>/share/cmake/kfac/kfacFindBLAS.cmake       the BLAS finder, run again by the config
 #   <prefix>/share/cmake/kfac/kfac-targets.cmake        kfac::kfac  (always)
 #   <prefix>/share/cmake/kfac/kfac-mpi-targets.cmake    kfac::mpi   (when KFAC_HAS_MPI)
 #   <prefix>/share/cmake/kfac/kfac-cuda-targets.cmake   kfac::cuda  (when KFAC_HAS_CUDA)
+#   <prefix>/share/cmake/kfac/kfac-c10d-targets.cmake   kfac::c10d  (when KFAC_HAS_C10D)
 #
 # The package is header-only, so it goes under DATADIR (share/) and its version file is
 # ARCH_INDEPENDENT. What the build found (the BLAS, MPI, CUDA) is recorded in kfacConfig.cmake,
@@ -55,6 +56,12 @@ if(KFAC_HAS_MPI AND TARGET kfac_mpi)
   install(EXPORT kfac-mpi-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
           COMPONENT kfac_development)
   list(APPEND _kfac_available_components mpi)
+endif()
+if(KFAC_HAS_C10D AND TARGET kfac_c10d)
+  _kfac_install_target(kfac_c10d kfac-c10d-targets)
+  install(EXPORT kfac-c10d-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
+          COMPONENT kfac_development)
+  list(APPEND _kfac_available_components c10d)
 endif()
 if(KFAC_HAS_CUDA AND TARGET kfac_cuda)
   _kfac_install_target(kfac_cuda kfac-cuda-targets)

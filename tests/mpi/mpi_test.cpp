@@ -1,24 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
-// Run under `mpiexec -n W`: the communication each strategy performs (collectives and bytes
-// per step), symmetric packing, bucketing, and mismatches that must raise the same error on
-// every rank instead of hanging. A failure on any rank fails the test on every rank.
+// Run under `mpiexec -n W` (kfac_mpi_tests), or as W processes of tests/mpi/launch.sh over Gloo
+// (kfac_process_group_tests, built from this file with KFAC_TEST_PROCESS_GROUP; test_world.hpp):
+// the communication each strategy performs (collectives and bytes per step), symmetric
+// packing, bucketing, and mismatches that must raise the same error on every rank instead of
+// hanging. A failure on any rank fails the test on every rank.
 #include <catch2/catch.hpp>
 
-#include "support/catch_session.hpp"
-
-#include <mpi.h>
+#include "mpi/test_world.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
-#include <kfac/comm/mpi.hpp>
 #include <kfac/kfac.hpp>
 
 #include "replay/staged_backend.hpp"
@@ -32,17 +34,6 @@ using Catch::Contains;
 
 namespace {
 
-int world_size() {
-    int w = 1;
-    MPI_Comm_size(MPI_COMM_WORLD, &w);
-    return w;
-}
-int world_rank() {
-    int r = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &r);
-    return r;
-}
-
 /// "l<i>", built by appending: GCC 12 warns falsely (-Wrestrict, bug 105329) on
 /// `"l" + std::to_string(i)` at -O3.
 std::string layer_name(std::size_t i) {
@@ -52,7 +43,7 @@ std::string layer_name(std::size_t i) {
 }
 
 template <class Method = kfac::compute::eigendecomposition>
-using mpi_kfac = kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::mpi, Method>;
+using mpi_kfac = kfac::KFAC<kfac::backend::cpu_eigen<double>, comm_under_test, Method>;
 
 /// Three layers of different sizes; the same data on every rank (rows split is irrelevant
 /// for counting).
@@ -184,7 +175,7 @@ void check_table(double fraction, bool product, bool packed) {
     o.symmetry_aware = packed;
     o.factor_update_steps = std::int64_t{2};
     o.inv_update_steps = std::int64_t{4};
-    mpi_kfac<Method> p(o, kfac::comm::mpi());
+    mpi_kfac<Method> p(o, make_comm());
     m.register_all(p);
     const bool eigen = std::is_same_v<Method, kfac::compute::eigendecomposition>;
     std::vector<kfac::comm_counters> per_step;
@@ -233,7 +224,7 @@ TEST_CASE("symmetric packing sends n(n+1)/2 values per factor", "[mpi][comm]") {
         model m;
         kfac::options o;
         o.symmetry_aware = packed == 1;
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         m.register_all(p);
         p.step();
         bytes[packed] = p.comm().counters().allreduce_bytes;
@@ -248,7 +239,7 @@ TEST_CASE("bucketing splits the factor allreduce by the cap", "[mpi][comm]") {
     model m;
     kfac::options o;
     o.allreduce_bucket_cap_mb = 600.0 / (1024.0 * 1024.0);  // 600 bytes: 75 doubles
-    mpi_kfac<> p(o, kfac::comm::mpi());
+    mpi_kfac<> p(o, make_comm());
     m.register_all(p);
     p.step();
     // Items in order (values): 49, 25 | 25, 16 | 100 (alone, over the cap) | 9, 3.
@@ -256,7 +247,7 @@ TEST_CASE("bucketing splits the factor allreduce by the cap", "[mpi][comm]") {
     kfac::options none;
     none.allreduce_bucket_cap_mb = 0.0;  // one call per item: 6 factors + the weights
     model m2;
-    mpi_kfac<> q(none, kfac::comm::mpi());
+    mpi_kfac<> q(none, make_comm());
     m2.register_all(q);
     q.step();
     CHECK(q.comm().counters().allreduce_calls == 7);
@@ -265,7 +256,7 @@ TEST_CASE("bucketing splits the factor allreduce by the cap", "[mpi][comm]") {
 TEST_CASE("ranks that registered different layers all raise the same error", "[mpi][mismatch]") {
     if (world_size() == 1) return;
     model m;
-    mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+    mpi_kfac<> p(kfac::options{}, make_comm());
     m.register_all(p);
     auto extra = random_linear<double>(8, 2, 2, false, 4);
     if (world_rank() == world_size() - 1) p.register_layer("extra", extra.view);
@@ -279,7 +270,7 @@ TEST_CASE("ranks with different shapes or options all raise the same error", "[m
     if (world_size() == 1) return;
     {
         auto l = random_linear<double>(8, 6, world_rank() == 0 ? 5 : 4, false, 5);
-        mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+        mpi_kfac<> p(kfac::options{}, make_comm());
         p.register_layer("fc", l.view);
         CHECK_THROWS_WITH(p.step(), Contains("ranks disagree") &&
                                         Contains("rank 1 differs from rank 0 in layer #0: rank 0 has 'fc' (linear 6->5, "
@@ -289,7 +280,7 @@ TEST_CASE("ranks with different shapes or options all raise the same error", "[m
         auto l = random_linear<double>(8, 6, 5, false, 5);
         kfac::options o;
         o.damping = world_rank() == 0 ? 0.001 : 0.002;
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         p.register_layer("fc", l.view);
         CHECK_THROWS_WITH(p.step(), Contains("ranks disagree") &&
                                         Contains("in options.damping: rank 0 has 0.001, rank 1 has 0.002"));
@@ -298,7 +289,7 @@ TEST_CASE("ranks with different shapes or options all raise the same error", "[m
         auto l = random_linear<double>(8, 6, 5, false, 5);
         kfac::options o;
         if (world_rank() == world_size() - 1) o.inv_update_steps = [](std::int64_t) { return std::int64_t{1}; };
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         p.register_layer("fc", l.view);
         CHECK_THROWS_WITH(p.step(), Contains("in options.inv_update_steps: rank 0 has 1") && Contains("has a schedule"));
     }
@@ -308,7 +299,7 @@ TEST_CASE("a bad view on one rank raises its error on every rank", "[mpi][mismat
     if (world_size() == 1) return;
     auto l = random_linear<double>(8, 6, 5, true, 6);
     if (world_rank() == 1) l.view.grad_bias = {};
-    mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+    mpi_kfac<> p(kfac::options{}, make_comm());
     p.register_layer("fc", l.view);
     CHECK_THROWS_WITH(p.step(), Contains("rank 1: layer 'fc'") && Contains("bias gradient"));
 }
@@ -328,7 +319,7 @@ TEST_CASE("a schedule invalid on one rank only is an error on every rank, and th
         }
         return 0.95;
     };
-    mpi_kfac<> p(o, kfac::comm::mpi());
+    mpi_kfac<> p(o, make_comm());
     m.register_all(p);
     p.step();
     m.reset_gradients();
@@ -343,7 +334,7 @@ TEST_CASE("invalid options on one rank only fail the construction on every rank"
     if (world_size() == 1) return;
     kfac::options o;
     if (world_rank() == 1) o.lr = -1.0;
-    CHECK_THROWS_WITH(mpi_kfac<>(o, kfac::comm::mpi()), Contains("rank 1: options.lr = -1"));
+    CHECK_THROWS_WITH(mpi_kfac<>(o, make_comm()), Contains("rank 1: options.lr = -1"));
 }
 
 TEST_CASE("a malformed KFAC_NUM_THREADS on one rank is an error on every rank", "[mpi][agreement]") {
@@ -352,7 +343,7 @@ TEST_CASE("a malformed KFAC_NUM_THREADS on one rank is an error on every rank", 
     const std::string saved = old ? old : "";
     if (world_rank() == 1) ::setenv("KFAC_NUM_THREADS", "2x", 1);
     model m;
-    mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+    mpi_kfac<> p(kfac::options{}, make_comm());
     m.register_all(p);
     CHECK_THROWS_WITH(p.step(), Contains("rank 1: KFAC_NUM_THREADS='2x'"));
     if (world_rank() == 1) {
@@ -368,7 +359,7 @@ TEST_CASE("a non-finite gradient on one rank only zeroes the layer on every rank
         model m;
         kfac::options o;
         o.grad_worker_fraction = f;
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         m.register_all(p);
         if (world_rank() == world_size() - 1) m.layers[1].grad_weight[2] = std::numeric_limits<double>::quiet_NaN();
         std::vector<kfac::non_finite_event> events;
@@ -398,7 +389,7 @@ TEST_CASE("under a loss scale, an overflow on one rank only skips the step on ev
         kfac::options o;
         o.grad_worker_fraction = f;
         o.loss_scale = 256.0;
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         m.register_all(p);
         CHECK_FALSE(p.step().skipped);
         std::vector<Eigen::MatrixXd> factors;  // what this rank holds, before the overflow
@@ -417,12 +408,50 @@ TEST_CASE("under a loss scale, an overflow on one rank only skips the step on ev
     }
 }
 
+TEST_CASE("every transport gives the same numbers from the same data", "[mpi][transport]") {
+    // With KFAC_TEST_DUMP_DIR set, rank 0 writes, for each strategy, the preconditioned
+    // gradients after each of 4 steps and the factors it holds at the end, as raw doubles; CTest
+    // compares the file of kfac_mpi_tests with that of kfac_process_group_tests at the same world
+    // size (tests/process_group/CMakeLists.txt). Each rank reads other inputs, so the factor
+    // allreduce sums different values.
+    const char* dir = std::getenv("KFAC_TEST_DUMP_DIR");
+    for (auto [strategy, o] : every_strategy()) {
+        INFO(strategy);
+        o.damping = 0.01;
+        model m;
+        mpi_kfac<> p(o, make_comm());
+        m.register_all(p);
+        std::vector<double> out;
+        for (std::uint32_t step = 0; step < 4; ++step) {
+            m.next_pass(1000 + 100 * static_cast<std::uint32_t>(world_rank()), step);
+            p.step();
+            for (const auto& l : m.layers) {
+                out.insert(out.end(), l.grad_weight.begin(), l.grad_weight.end());
+                out.insert(out.end(), l.grad_bias.begin(), l.grad_bias.end());
+            }
+        }
+        for (std::size_t i = 0; i < m.layers.size(); ++i)
+            if (p.workers(layer_name(i)).a == world_rank()) {
+                const Eigen::MatrixXd& a = p.a_factor(layer_name(i));
+                out.insert(out.end(), a.data(), a.data() + a.size());
+            }
+        CHECK(std::all_of(out.begin(), out.end(), [](double v) { return std::isfinite(v); }));
+        if (dir == nullptr || world_rank() != 0) continue;
+        std::string name = strategy;
+        std::replace(name.begin(), name.end(), ' ', '_');
+        const auto path = std::filesystem::path(dir) / (name + ".np" + std::to_string(world_size()) + ".bin");
+        std::ofstream file(path, std::ios::binary);
+        file.write(reinterpret_cast<const char*>(out.data()), static_cast<std::streamsize>(out.size() * sizeof(double)));
+        REQUIRE(file.good());
+    }
+}
+
 TEST_CASE("an invalid fraction names the valid values", "[mpi][errors]") {
     if (world_size() != 3) return;
     model m;
     kfac::options o;
     o.grad_worker_fraction = kfac::hybrid_opt;
-    mpi_kfac<> p(o, kfac::comm::mpi());
+    mpi_kfac<> p(o, make_comm());
     m.register_all(p);
     CHECK_THROWS_WITH(p.step(), Contains("does not divide the world size 3") && Contains("0.333333"));
 }
@@ -431,7 +460,7 @@ TEST_CASE("DP-KFAC: only the owner holds a layer's factors", "[mpi][dp_kfac]") {
     model m;
     kfac::options o;
     o.strategy = kfac::distribution::dp_kfac;
-    mpi_kfac<> p(o, kfac::comm::mpi());
+    mpi_kfac<> p(o, make_comm());
     m.register_all(p);
     const auto before = p.comm().counters();
     p.step();
@@ -445,14 +474,33 @@ TEST_CASE("DP-KFAC: only the owner holds a layer's factors", "[mpi][dp_kfac]") {
     }
 }
 
-int main(int argc, char** argv) {
-    MPI_Init(&argc, &argv);
-    const int failed = kfac_test::run_catch_session(argc, argv);
-    int any = 0;
-    MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Finalize();
-    return any;
+int main(int argc, char** argv) { return kfac_test::run_in_world(argc, argv); }
+
+#if KFAC_TEST_PROCESS_GROUP
+// Hidden ([.]): it leaves the world unable to communicate, so it runs alone, with a short
+// KFAC_TEST_TIMEOUT_MS (tests/mpi/CMakeLists.txt).
+TEST_CASE("a rank that never joins a step is a timeout error naming the rank and the phase on the others",
+          "[.timeout][process_group]") {
+    world_broken() = true;
+    if (world_size() == 1) return;
+    model m;
+    mpi_kfac<> p(kfac::options{}, make_comm());
+    m.register_all(p);
+    p.step();  // set up together; the next step's first collective is the plan's agreement
+    if (world_rank() == world_size() - 1) {
+        // Stays away longer than the timeout, then leaves without a word.
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(std::getenv("KFAC_TEST_TIMEOUT_MS")) * 2));
+        return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(p.step(), Contains("kfac::comm::process_group: rank " + std::to_string(world_rank()) + " of " +
+                                         std::to_string(world_size()) + ": ") &&
+                                    Contains("the failure agreement in the step's plan") &&
+                                    Contains("timed out after " + std::string(std::getenv("KFAC_TEST_TIMEOUT_MS")) + " ms") &&
+                                    !Contains("frame #"));  // LibTorch's backtrace left out
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(60));
 }
+#endif
 
 TEST_CASE("checkpoints: one file from every strategy, and failures raised on every rank", "[mpi][checkpoint]") {
     const int world = world_size();
@@ -470,7 +518,7 @@ TEST_CASE("checkpoints: one file from every strategy, and failures raised on eve
         kfac::options o;
         o.strategy = c.strategy;
         o.grad_worker_fraction = c.fraction;
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         m.register_all(p);
         for (int k = 0; k < 3; ++k) {
             m.reset_gradients();
@@ -483,7 +531,7 @@ TEST_CASE("checkpoints: one file from every strategy, and failures raised on eve
         for (std::size_t i = 0; i < layers.size(); ++i) {
             const int holder = layers[i].factor_holders.front();
             Eigen::MatrixXd a = p.a_factor(layer_name(i));
-            MPI_Bcast(a.data(), static_cast<int>(a.size()), MPI_DOUBLE, holder, MPI_COMM_WORLD);
+            world_broadcast(a.data(), static_cast<std::size_t>(a.size()), holder);
             if (world_rank() != 0) continue;
             kfac::KFAC<kfac::backend::cpu_eigen<double>> single(o);
             model m2;
@@ -495,7 +543,7 @@ TEST_CASE("checkpoints: one file from every strategy, and failures raised on eve
     }
     // A file only rank 0 cannot read: every rank raises rank 0's error, none hangs.
     model m;
-    mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+    mpi_kfac<> p(kfac::options{}, make_comm());
     m.register_all(p);
     const std::string who = world > 1 ? "rank 0: " : "";
     CHECK_THROWS_WITH(p.load("no/such/folder/kfac.safetensors"), Contains(who + "checkpoint") && Contains("cannot open"));
@@ -517,7 +565,7 @@ TEST_CASE("a layer applied on some ranks only: the factors average the ranks tha
     applied_layer<double> branch(4, 3, true), trunk(3, 2, false);
     kfac::options o;
     o.damping = 0.01;
-    mpi_kfac<> p(o, kfac::comm::mpi());
+    mpi_kfac<> p(o, make_comm());
     p.register_layer("branch", branch);
     p.register_layer("trunk", trunk);
     if (me % 2 == 0) branch.apply(8, static_cast<std::uint32_t>(100 + me));
@@ -551,7 +599,7 @@ TEST_CASE("a layer applied on some ranks only: the factors average the ranks tha
 TEST_CASE("a layer with a gradient on some ranks only is an error on every rank", "[mpi][applications]") {
     const int w = world_size(), me = world_rank();
     applied_layer<double> a(4, 3, true), b(3, 2, false);
-    mpi_kfac<> p({}, kfac::comm::mpi());
+    mpi_kfac<> p({}, make_comm());
     p.register_layer("a", a);
     p.register_layer("b", b);
     a.apply(8, 1);
@@ -632,7 +680,7 @@ TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one proc
         o.grad_worker_fraction = fraction;
         o.damping = 0.01;
         o.reduce_layers = {"^seq$"};
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         kfac::KFAC<kfac::backend::cpu_eigen<double>> whole(o);
         owned_layer<double> conv, seq, conv_all, seq_all;
         for (auto* l : {&conv, &conv_all}) l->view.description = kfac::conv1d_description(c, c_out, geometry, true);
@@ -703,7 +751,7 @@ TEMPLATE_TEST_CASE("Embedding layers: ranks with different token counts equal on
         o.strategy = s.strategy;
         o.grad_worker_fraction = s.fraction;
         o.damping = 0.01;
-        mpi_kfac<TestType> p(o, kfac::comm::mpi());
+        mpi_kfac<TestType> p(o, make_comm());
         kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, TestType> whole(o);
         owned_layer<double> emb, emb_all;
         for (auto* l : {&emb, &emb_all}) l->view.description = kfac::embedding_description(v, e);
@@ -764,7 +812,7 @@ TEST_CASE("grouped convolutions: ranks with different batches equal one process 
         kfac::options o;
         o.grad_worker_fraction = fraction;
         o.damping = 0.01;
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         kfac::KFAC<kfac::backend::cpu_eigen<double>> whole(o);
         owned_layer<double> dw, gc, dw_all, gc_all;
         for (auto* l : {&dw, &dw_all}) l->view.description = kfac::conv2d_description(c, 2 * c, depthwise_geometry, false);
@@ -839,7 +887,7 @@ TEMPLATE_TEST_CASE("normalisation layers: ranks with different batches equal one
         o.grad_worker_fraction = s.fraction;
         o.damping = 0.01;
         o.symmetry_aware = true;
-        mpi_kfac<TestType> p(o, kfac::comm::mpi());
+        mpi_kfac<TestType> p(o, make_comm());
         kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, TestType> whole(o);
         owned_layer<double> ln, bn, ln_all, bn_all;
         for (auto* l : {&ln, &ln_all}) l->view.description = kfac::layer_norm_description(features, false);
@@ -893,7 +941,7 @@ TEST_CASE("eigenbasis reuse: every strategy equals one process, each factor deci
         o.compute_eigenvalue_outer_product = s.colocate;  // the product needs both factors on one rank
         o.factor_decay = 0.5;
         o.eigenbasis_reuse_tolerance = 0.5;
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial> whole(o);
         model spread, one;
         for (auto* m : {&spread, &one})
@@ -905,8 +953,8 @@ TEST_CASE("eigenbasis reuse: every strategy equals one process, each factor deci
         // (‖F‖ + γ)/γ ≈ 10³ at most (γ = 0.001): 1e-10 bounds it with a wide margin.
         step_alike(p, whole, spread, one, 7000, 6, 1e-10);
         const auto mine = p.eigenbasis_counts();
-        std::int64_t counts[2] = {mine.reused, mine.decomposed}, totals[2] = {0, 0};
-        MPI_Allreduce(counts, totals, 2, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+        std::int64_t totals[2] = {mine.reused, mine.decomposed};
+        world_sum(totals, 2);
         CHECK(whole.eigenbasis_counts().reused > 0);
         CHECK(totals[0] == whole.eigenbasis_counts().reused);
         CHECK(totals[1] == whole.eigenbasis_counts().decomposed);
@@ -928,7 +976,7 @@ TEMPLATE_TEST_CASE("curvature modes: every strategy equals one process", "[mpi][
         o.relative_damping = true;
         o.damping = 0.01;
         o.factor_decay = 0.6;
-        mpi_kfac<TestType> p(o, kfac::comm::mpi());
+        mpi_kfac<TestType> p(o, make_comm());
         kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, TestType> whole(o);
         model spread, one;
         spread.register_all(p);
@@ -959,8 +1007,8 @@ TEMPLATE_TEST_CASE("every layer kind through host staging equals direct collecti
         o.damping = 0.01;
         o.kl_clip = 0.001;
         o.inv_update_steps = 2;
-        kfac::KFAC<kfac_replay::staged_backend<double>, kfac::comm::mpi, TestType> staged(o, kfac::comm::mpi());
-        kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::mpi, TestType> direct(o, kfac::comm::mpi());
+        kfac::KFAC<kfac_replay::staged_backend<double>, comm_under_test, TestType> staged(o, make_comm());
+        kfac::KFAC<kfac::backend::cpu_eigen<double>, comm_under_test, TestType> direct(o, make_comm());
         auto staged_layers = every_kind<double>(), direct_layers = every_kind<double>();
         for (std::size_t i = 0; i < staged_layers.size(); ++i) {
             staged.register_layer(staged_layers[i].first, staged_layers[i].second.view);
@@ -982,8 +1030,8 @@ TEMPLATE_TEST_CASE("every layer kind through host staging equals direct collecti
         if (world > 1) CHECK(kfac_replay::staged_bytes() > 0);  // the collectives went through the staging
         if constexpr (std::is_same_v<TestType, kfac::compute::eigendecomposition>) {
             // The decompositions came through the prefetch (on the ranks that computed some).
-            long mine = static_cast<long>(kfac_replay::prefetched_taken()), all = 0;
-            MPI_Allreduce(&mine, &all, 1, MPI_LONG, MPI_SUM, MPI_COMM_WORLD);
+            auto all = static_cast<std::int64_t>(kfac_replay::prefetched_taken());
+            world_sum(&all, 1);
             CHECK(all > 0);
         }
     }
@@ -998,7 +1046,7 @@ namespace {
 struct flaky_model {
     flaky_layer first{4, 3, true}, second{3, 5, true};
     mpi_kfac<> p;
-    flaky_model() : p(options(), kfac::comm::mpi()) {
+    flaky_model() : p(options(), make_comm()) {
         p.register_layer("first", first);
         p.register_layer("second", second);
     }
@@ -1025,14 +1073,10 @@ struct flaky_model {
 };
 
 bool on_every_rank(bool mine) {
-    int local = mine ? 1 : 0, all = 0;
-    MPI_Allreduce(&local, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-    return all == 1;
+    return world_min(mine ? 1 : 0) == 1;
 }
 bool on_some_rank(bool mine) {
-    int local = mine ? 1 : 0, any = 0;
-    MPI_Allreduce(&local, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    return any == 1;
+    return world_max(mine ? 1 : 0) == 1;
 }
 
 }  // namespace
@@ -1083,24 +1127,24 @@ TEST_CASE("ranks with another compute method or assignment strategy all raise th
     auto l = random_linear<double>(8, 6, 5, true, 5);
     const std::string last = "rank " + std::to_string(world_size() - 1);
     if (world_rank() == world_size() - 1) {
-        mpi_kfac<kfac::compute::inverse> p(kfac::options{}, kfac::comm::mpi());
+        mpi_kfac<kfac::compute::inverse> p(kfac::options{}, make_comm());
         p.register_layer("fc", l.view);
         CHECK_THROWS_WITH(p.step(), Contains(last + " differs from rank 0 in the compute method: rank 0 has "
                                                     "eigendecomposition, " + last + " has inverse"));
     } else {
-        mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+        mpi_kfac<> p(kfac::options{}, make_comm());
         p.register_layer("fc", l.view);
         CHECK_THROWS_WITH(p.step(), Contains("in the compute method"));
     }
-    using memory_kfac = kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::mpi, kfac::compute::eigendecomposition,
+    using memory_kfac = kfac::KFAC<kfac::backend::cpu_eigen<double>, comm_under_test, kfac::compute::eigendecomposition,
                                    kfac::assignment::memory_balanced>;
     if (world_rank() == world_size() - 1) {
-        memory_kfac p(kfac::options{}, kfac::comm::mpi());
+        memory_kfac p(kfac::options{}, make_comm());
         p.register_layer("fc", l.view);
         CHECK_THROWS_WITH(p.step(), Contains(last + " differs from rank 0 in the assignment strategy: rank 0 has "
                                                     "compute, " + last + " has memory"));
     } else {
-        mpi_kfac<> p(kfac::options{}, kfac::comm::mpi());
+        mpi_kfac<> p(kfac::options{}, make_comm());
         p.register_layer("fc", l.view);
         CHECK_THROWS_WITH(p.step(), Contains("in the assignment strategy"));
     }
@@ -1117,7 +1161,7 @@ TEST_CASE("a schedule with another value on one rank is an error on every rank, 
         model m;
         kfac::options o;
         o.damping = [odd](std::int64_t k) { return k == 1 && odd ? 0.002 : 0.001; };
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         m.register_all(p);
         p.step();
         m.reset_gradients();
@@ -1133,7 +1177,7 @@ TEST_CASE("a schedule with another value on one rank is an error on every rank, 
         model m;
         kfac::options o;
         o.factor_update_steps = [odd](std::int64_t k) { return std::int64_t{k == 1 && odd ? 2 : 1}; };
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         m.register_all(p);
         p.step();
         CHECK_THROWS_WITH(p.step(), Contains("options.factor_update_steps at step 1: rank 0 has a factor update, " + last +
@@ -1146,7 +1190,7 @@ TEST_CASE("a schedule with another value on one rank is an error on every rank, 
         kfac::options o;
         o.accumulation_steps = 2;
         o.factor_update_steps = [odd](std::int64_t k) { return std::int64_t{k == 1 && odd ? 2 : 1}; };
-        mpi_kfac<> p(o, kfac::comm::mpi());
+        mpi_kfac<> p(o, make_comm());
         m.register_all(p);
         p.accumulate();
         p.step();
@@ -1159,7 +1203,7 @@ TEST_CASE("-0 and 0 are one value of an option across ranks", "[mpi][agreement]"
     model m;
     kfac::options o;
     o.eigenbasis_reuse_tolerance = world_rank() == 0 ? 0.0 : -0.0;
-    mpi_kfac<> p(o, kfac::comm::mpi());
+    mpi_kfac<> p(o, make_comm());
     m.register_all(p);
     CHECK_NOTHROW(p.step());
 }

@@ -47,7 +47,7 @@ foreach(file IN ITEMS include/kfac/kfac.hpp include/kfac/comm/mpi.hpp
     message(FATAL_ERROR "install_tree.cmake: ${PREFIX}/${file} was not installed")
   endif()
 endforeach()
-foreach(component IN ITEMS mpi cuda)
+foreach(component IN ITEMS mpi cuda c10d)
   set(targets_file "${cmakedir}/kfac-${component}-targets.cmake")
   if(component IN_LIST EXPECT_COMPONENTS AND NOT EXISTS "${targets_file}")
     message(FATAL_ERROR "install_tree.cmake: ${targets_file} is missing although the build has ${component}")

@@ -26,6 +26,11 @@
 #if KFAC_REPLAY_WITH_MPI
 #include <kfac/comm/mpi.hpp>
 #endif
+#if KFAC_REPLAY_WITH_PROCESS_GROUP
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <kfac/comm/process_group_gloo.hpp>
+#endif
 
 #include "staged_backend.hpp"
 
@@ -247,6 +252,16 @@ inline kfac::comm::mpi single_process_comm<kfac::comm::mpi>() {
     return kfac::comm::mpi(MPI_COMM_SELF);
 }
 #endif
+#if KFAC_REPLAY_WITH_PROCESS_GROUP
+template <>
+inline kfac::comm::process_group single_process_comm<kfac::comm::process_group>() {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    auto options = c10d::ProcessGroupGloo::Options::create();
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, 0, 1, options);
+    return kfac::comm::process_group(pg, store, kfac::comm::gloo_groups(options));
+}
+#endif
 
 /// Replays every step of the case. With several ranks (Comm = comm::mpi) each rank gets its
 /// contiguous block of each step's rows while the gradients are the full-batch ones, as
@@ -455,6 +470,14 @@ template <template <class> class BackendOf>
 inline constexpr bool replays_in_float = true;
 template <>
 inline constexpr bool replays_in_float<staged_backend> = false;
+/// Over comm::process_group the replays run in double only (kfac_engines_process_group holds
+/// the double engines alone).
+template <class Comm>
+inline constexpr bool comm_replays_in_float = true;
+#if KFAC_REPLAY_WITH_PROCESS_GROUP
+template <>
+inline constexpr bool comm_replays_in_float<kfac::comm::process_group> = false;
+#endif
 
 /// Replays a case: compute method from case.json, precision as asked (by default the case's
 /// dtype), tolerance `rtol` or, when absent, the case's, or float_replay_rtol when a
@@ -485,10 +508,11 @@ replay_report replay(const golden_case& c, precision p = precision::case_dtype,
         if (method == "inverse") return with_assignment(scalar_tag, kfac::compute::inverse{});
         throw kfac::error("case.json kfac.compute_method '" + method + "' is neither eigen nor inverse");
     };
-    if constexpr (!replays_in_float<BackendOf>) {
+    if constexpr (!replays_in_float<BackendOf> || !comm_replays_in_float<Comm>) {
         if (use_float)
-            throw kfac::error("the staged backend replays in double only: pass --double (a float32 case is replayed "
-                              "in double with the case's tolerance)");
+            throw kfac::error(std::string(replays_in_float<BackendOf> ? "kfac_replay_process_group" : "the staged backend") +
+                              " replays in double only: pass --double (a float32 case is replayed in double with the "
+                              "case's tolerance)");
         return with_method(double{});
     } else {
         return use_float ? with_method(float{}) : with_method(double{});
@@ -520,6 +544,9 @@ KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, staged_backend, 
 KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, kfac::backend::cpu_eigen, float, kfac::comm::mpi)
 KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, kfac::backend::cpu_eigen, double, kfac::comm::mpi)
 KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, staged_backend, double, kfac::comm::mpi)
+#endif
+#if KFAC_REPLAY_WITH_PROCESS_GROUP
+KFAC_REPLAY_FOR_EACH_METHOD_AND_ASSIGNMENT(KFAC_REPLAY_DECLARE, kfac::backend::cpu_eigen, double, kfac::comm::process_group)
 #endif
 #endif
 

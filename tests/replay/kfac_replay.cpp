@@ -38,8 +38,15 @@
 #ifndef KFAC_REPLAY_WITH_CUDA
 #define KFAC_REPLAY_WITH_CUDA 0
 #endif
-#if KFAC_REPLAY_WITH_MPI
-#include <kfac/comm/mpi.hpp>
+// Distributed over MPI ranks or, in kfac_replay_process_group, over processes of
+// tests/mpi/launch.sh and a Gloo process group (tests/mpi/test_world.hpp).
+#ifndef KFAC_REPLAY_WITH_PROCESS_GROUP
+#define KFAC_REPLAY_WITH_PROCESS_GROUP 0
+#endif
+#define KFAC_REPLAY_DISTRIBUTED (KFAC_REPLAY_WITH_MPI || KFAC_REPLAY_WITH_PROCESS_GROUP)
+#if KFAC_REPLAY_DISTRIBUTED
+#define KFAC_TEST_PROCESS_GROUP KFAC_REPLAY_WITH_PROCESS_GROUP
+#include "mpi/test_world.hpp"
 #endif
 #if KFAC_REPLAY_WITH_CUDA
 #include <kfac/backend/cuda.cuh>
@@ -141,9 +148,9 @@ int run(int argc, char** argv, run_context& ctx) {
 int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, std::optional<double> rtol,
                 const kfac_replay::distributed_setup& setup, const std::string& backend, run_context& ctx) {
     const kfac_replay::golden_case c(folder);
-#if KFAC_REPLAY_WITH_MPI
-    using comm_type = kfac::comm::mpi;
-    auto make_comm = [] { return kfac::comm::mpi(MPI_COMM_WORLD); };
+#if KFAC_REPLAY_DISTRIBUTED
+    using comm_type = kfac_test::comm_under_test;
+    auto make_comm = [] { return kfac_test::make_comm(); };
 #else
     using comm_type = kfac::comm::serial;
     auto make_comm = [] { return kfac::comm::serial{}; };
@@ -152,7 +159,12 @@ int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, s
     if (backend == "cpu") {
         r = kfac_replay::replay<comm_type, kfac::backend::cpu_eigen>(c, p, rtol, setup, make_comm);
     } else if (backend == "staged") {
+#if KFAC_REPLAY_WITH_PROCESS_GROUP
+        throw kfac::error("--backend staged: kfac_replay_process_group replays the cpu backend only; the staging "
+                          "is checked with MPI (kfac_replay)");
+#else
         r = kfac_replay::replay<comm_type, kfac_replay::staged_backend>(c, p, rtol, setup, make_comm);
+#endif
     } else if (backend == "cuda") {
 #if KFAC_REPLAY_WITH_CUDA
         if (kfac::backend::cuda_device_count() == 0) {
@@ -168,17 +180,17 @@ int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, s
     } else {
         throw kfac::error("--backend must be cpu, cuda or staged, not '" + backend + "'");
     }
-#if KFAC_REPLAY_WITH_MPI
+#if KFAC_REPLAY_DISTRIBUTED
     // Maximise every quantity and the problem count over ranks.
     const std::vector<std::string> quantities = {"A", "G", "pgrad_w", "pgrad_b", "kl_scale"};
     for (const auto& q : quantities) {
-        double mine = r.max_error.count(q) ? r.max_error[q] : -1.0, all = 0.0;
-        MPI_Allreduce(&mine, &all, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        const double all = kfac_test::world_largest(r.max_error.count(q) ? r.max_error[q] : -1.0);
         if (all >= 0.0) r.max_error[q] = all;
         r.worst = std::max(r.worst, all);
     }
-    int problems = static_cast<int>(r.problems.size()), all_problems = 0;
-    MPI_Allreduce(&problems, &all_problems, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    const auto problems = static_cast<std::int64_t>(r.problems.size());
+    std::int64_t all_problems = problems;
+    kfac_test::world_sum(&all_problems, 1);
     if (all_problems > problems) r.problems.push_back("problems on other ranks");
 #endif
     if (ctx.rank != 0) return r.passed() ? 0 : 1;
@@ -202,10 +214,10 @@ int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, s
 
 int main(int argc, char** argv) {
     run_context ctx;
-#if KFAC_REPLAY_WITH_MPI
-    MPI_Init(&argc, &argv);
-    MPI_Comm_rank(MPI_COMM_WORLD, &ctx.rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &ctx.world);
+#if KFAC_REPLAY_DISTRIBUTED
+    kfac_test::init_world(argc, argv);
+    ctx.rank = kfac_test::world_rank();
+    ctx.world = kfac_test::world_size();
 #endif
     int status = 0;
     try {
@@ -218,11 +230,9 @@ int main(int argc, char** argv) {
         }
         status = 2;
     }
-#if KFAC_REPLAY_WITH_MPI
-    int worst = 0;
-    MPI_Allreduce(&status, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    status = worst;
-    MPI_Finalize();
+#if KFAC_REPLAY_DISTRIBUTED
+    status = static_cast<int>(kfac_test::world_max(std::int64_t{status}));
+    kfac_test::finalize_world();
 #endif
     return status;
 }

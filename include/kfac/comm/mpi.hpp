@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kfac/comm/buckets.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/config.hpp"
 
@@ -61,26 +62,6 @@ inline int checked_count(std::size_t n) {
     if (n > static_cast<std::size_t>(INT32_MAX))
         throw error("kfac::comm::mpi: a message of " + std::to_string(n) + " values exceeds MPI's int count");
     return static_cast<int>(n);
-}
-
-/// Copies a symmetric column-major dim × dim matrix's lower triangle (column by column,
-/// n(n+1)/2 values) to `out`, or back, mirroring it into the upper triangle.
-template <class T>
-void pack_lower(const T* m, std::int64_t dim, T* out) {
-    for (std::int64_t j = 0; j < dim; ++j) {
-        std::memcpy(out, m + j * dim + j, sizeof(T) * static_cast<std::size_t>(dim - j));
-        out += dim - j;
-    }
-}
-template <class T>
-void unpack_lower(const T* in, std::int64_t dim, T* m) {
-    for (std::int64_t j = 0; j < dim; ++j) {
-        for (std::int64_t i = j; i < dim; ++i) {
-            m[j * dim + i] = *in;
-            m[i * dim + j] = *in;
-            ++in;
-        }
-    }
 }
 
 }  // namespace detail
@@ -131,54 +112,22 @@ public:
         if (g.size <= 1 || items.empty()) return;
         // One bucket buffer per communicator, reused across steps (keyed by identity).
         auto& buffer = bucket_storage<T>(g.comm);
-        auto packed_count = [&](const allreduce_item<T>& it) {
-            return pack_symmetric && it.symmetric
-                       ? static_cast<std::size_t>(it.dim * (it.dim + 1) / 2) : it.count;
-        };
-        const std::size_t cap = cap_bytes == 0 ? 0 : std::max<std::size_t>(1, cap_bytes / sizeof(T));
-        // Plan the buckets: consecutive items while the cap allows; an item larger than the
-        // cap travels alone.
-        std::vector<std::pair<std::size_t, std::size_t>> buckets;  // [first, last) items
-        std::size_t total = 0;
-        for (std::size_t i = 0, start = 0, fill = 0; i < items.size(); ++i) {
-            const std::size_t n = packed_count(items[i]);
-            if (i > start && (cap == 0 || fill + n > cap)) {
-                buckets.emplace_back(start, i);
-                start = i;
-                fill = 0;
-            }
-            fill += n;
-            total += n;
-            if (i + 1 == items.size()) buckets.emplace_back(start, i + 1);
-        }
-        buffer.resize(total);
+        const std::vector<detail::bucket> buckets = detail::plan_buckets(items, cap_bytes, pack_symmetric);
+        buffer.resize(detail::total_count(buckets));
         std::vector<MPI_Request> requests(buckets.size(), MPI_REQUEST_NULL);
-        std::vector<std::size_t> offsets(buckets.size() + 1, 0);
         // Pack and start each bucket as soon as it is full, so it travels while the next
         // bucket is packed.
         for (std::size_t b = 0; b < buckets.size(); ++b) {
-            std::size_t off = offsets[b];
-            for (std::size_t i = buckets[b].first; i < buckets[b].second; ++i) {
-                const auto& it = items[i];
-                if (pack_symmetric && it.symmetric) detail::pack_lower(it.data, it.dim, buffer.data() + off);
-                else std::memcpy(buffer.data() + off, it.data, sizeof(T) * it.count);
-                off += packed_count(it);
-            }
-            offsets[b + 1] = off;
-            const std::size_t n = off - offsets[b];
-            detail::check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buffer.data() + offsets[b], detail::checked_count(n),
+            detail::pack_bucket(items, buckets[b], pack_symmetric, buffer.data());
+            const std::size_t n = buckets[b].count;
+            detail::check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buffer.data() + buckets[b].offset, detail::checked_count(n),
                                              detail::datatype<T>(), MPI_SUM, g.comm, &requests[b]),
                               "MPI_Iallreduce");
             ++state_->counters.allreduce_calls;
             state_->counters.allreduce_bytes += static_cast<std::int64_t>(n * sizeof(T));
         }
         detail::wait_all(requests, "MPI_Iallreduce");
-        std::size_t off = 0;
-        for (const auto& it : items) {
-            if (pack_symmetric && it.symmetric) detail::unpack_lower(buffer.data() + off, it.dim, it.data);
-            else std::memcpy(it.data, buffer.data() + off, sizeof(T) * it.count);
-            off += packed_count(it);
-        }
+        detail::unpack_items(items, pack_symmetric, buffer.data());
     }
 
     template <class T>

@@ -25,6 +25,8 @@
 ///   // Control: element-wise maximum over all ranks, in place (per-layer verdicts).
 ///   void allreduce_max(std::vector<std::int64_t>& values);
 ///   const comm_counters& counters() const;
+///   // Optional: the phase of the step the next data collectives belong to, for errors.
+///   void phase(const char* name);
 /// ```
 /// Every rank calls the collectives in the same order. Groups of one rank send nothing and
 /// count nothing.
@@ -58,6 +60,13 @@ struct allreduce_item {
 };
 
 namespace comm {
+
+/// Tells a policy that names phases in its errors (kfac::comm::process_group) which phase of
+/// the step its next collectives belong to; a policy without phase() ignores it.
+template <class CommPolicy>
+void announce_phase(CommPolicy& c, const char* name) noexcept {
+    if constexpr (requires { c.phase(name); }) c.phase(name);
+}
 
 /// One process: every collective is the identity and nothing is sent.
 class serial {

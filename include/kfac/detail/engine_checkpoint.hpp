@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "kfac/comm/serial.hpp"
 #include "kfac/blocks/block.hpp"
 #include "kfac/checkpoint/files.hpp"
 #include "kfac/checkpoint/state_dict.hpp"
@@ -42,6 +43,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::save(const std::filesystem::pat
 
 template <class Backend, class CommPolicy, class ComputeMethod>
 std::string engine<Backend, CommPolicy, ComputeMethod>::save_bytes(const checkpoint::save_options& o) {
+    comm::announce_phase(comm_, "saving a checkpoint");
     const auto state = gather_state(o);
     std::string bytes;
     agree_on([&] {
@@ -96,6 +98,7 @@ template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::load_from(std::string bytes, const std::string& source,
                                                            const checkpoint::load_options& o) {
     setup();
+    comm::announce_phase(comm_, "loading a checkpoint");
     bytes = comm_.broadcast_text(bytes, 0);
     staged_state<Backend, method> staged;
     agree_on([&] {
@@ -208,6 +211,7 @@ std::vector<double> engine<Backend, CommPolicy, ComputeMethod>::gather_statistic
         if (held.empty()) continue;
         std::vector<double> part(held.size());
         for (std::size_t k = 0; k < held.size(); ++k) part[k] = weights[held[k]];
+        comm::announce_phase(comm_, "saving a checkpoint (gathering statistics weights)");
         comm_.broadcast(part.data(), part.size(), source, comm_.world());
         comm_.wait();
         for (std::size_t k = 0; k < held.size(); ++k) weights[held[k]] = part[k];
@@ -227,6 +231,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::gather_tensor(const Storage& x,
     }
     typename Backend::host_matrix h(rows, cols);
     if (comm_.rank() == source) h = Backend::to_host(x);
+    comm::announce_phase(comm_, "saving a checkpoint (gathering tensors)");
     comm_.broadcast(h.data(), static_cast<std::size_t>(h.size()), source, comm_.world());
     comm_.wait();
     if (writer) tensors.push_back(checkpoint::to_tensor<scalar_type>(std::move(name), h, tensor_rank));

@@ -161,6 +161,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update,
 /// carries the weights. A layer applied nowhere in the step keeps its factors as they are.
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan& plan, step_outcome& outcome) {
+    comm::announce_phase(comm_, "the factor update");
     const double decay = plan.factor_decay;
     const auto xi = static_cast<scalar_type>(decay);
     const bool averaged = options_.strategy == distribution::kaisa && comm_.size() > 1;
@@ -185,6 +186,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan&
         }
         items.push_back({weights.data(), weights.size(), false, 0});
         const auto cap = static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
+        comm::announce_phase(comm_, "the factor update (its allreduce)");
         comm_.allreduce_sum(items, cap, options_.symmetry_aware, comm_.world());
         staging_.complete();
     }

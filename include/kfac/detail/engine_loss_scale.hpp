@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kfac/comm/serial.hpp"
 #include "kfac/detail/engine.hpp"
 #include "kfac/detail/number_conversion.hpp"
 
@@ -51,6 +52,7 @@ bool engine<Backend, CommPolicy, ComputeMethod>::overflowed(const step_plan& pla
             break;
         }
     }
+    comm::announce_phase(comm_, "the step's plan (the loss-scale overflow vote)");
     comm_.allreduce_max(overflow);
     return overflow[0] != 0;
 }

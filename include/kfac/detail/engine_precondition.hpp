@@ -10,6 +10,7 @@
 #include <exception>
 #include <vector>
 
+#include "kfac/comm/serial.hpp"
 #include "kfac/detail/engine.hpp"
 #include "kfac/detail/view_conversion.hpp"
 
@@ -23,6 +24,7 @@ namespace kfac::detail {
 /// whose P the verdict then catches with it (the same layers are zeroed either way).
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_plan& plan, step_outcome& outcome) {
+    comm::announce_phase(comm_, "preconditioning");
     const double damping = plan.damping;
     std::vector<detail::task> tasks;
     for (auto& l : layers_) {
@@ -45,6 +47,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
                          }});
     }
     agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
+    comm::announce_phase(comm_, "preconditioning (the broadcast of preconditioned gradients)");
     for (auto& l : layers_)
         if (l.role.share_gradient && l.scratch.active) {
             const auto n = static_cast<std::size_t>(l.scratch.preconditioned.size());
@@ -76,6 +79,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
             unusable[i] = layers_[i].scratch.active && !(Backend::all_finite(layers_[i].scratch.gamma) &&
                                                          Backend::all_finite(layers_[i].scratch.preconditioned));
     }
+    comm::announce_phase(comm_, "preconditioning (the vote on unusable gradients)");
     comm_.allreduce_max(unusable);
     for (std::size_t i = 0; i < layers_.size(); ++i) {
         auto& l = layers_[i];

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "kfac/comm/serial.hpp"
 #include "kfac/detail/engine.hpp"
 #include "kfac/detail/group_views.hpp"
 #include "kfac/detail/view_conversion.hpp"
@@ -19,6 +20,7 @@ namespace kfac::detail {
 /// anything changes; every rank reaches the same verdict.
 template <class Backend, class CommPolicy, class ComputeMethod>
 step_plan engine<Backend, CommPolicy, ComputeMethod>::read_plan() {
+    comm::announce_phase(comm_, "the step's plan (reading and checking the views)");
     detail::step_plan plan;
     agree_on([&] {
         plan = detail::read_step_plan<scalar_type>(options_, steps_);
@@ -82,6 +84,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::agree_on_gradient_presence() {
         seen[i] = layers_[i].scratch.active ? 1 : 0;
         seen[n + i] = layers_[i].scratch.active ? 0 : 1;
     }
+    comm::announce_phase(comm_, "the step's plan (the vote on which layers have gradients)");
     comm_.allreduce_max(seen);
     for (std::size_t i = 0; i < n; ++i)
         if (seen[i] != 0 && seen[n + i] != 0)

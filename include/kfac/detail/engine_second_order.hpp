@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kfac/comm/serial.hpp"
 #include "kfac/backend/batched_eigen.hpp"
 #include "kfac/compute/eigendecomposition.hpp"
 #include "kfac/detail/engine.hpp"
@@ -56,6 +57,7 @@ auto engine<Backend, CommPolicy, ComputeMethod>::prefetch_decompositions() -> pr
 /// this rank computed in an earlier update (has_second) counts as previous.
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_plan& plan, step_outcome& outcome) {
+    comm::announce_phase(comm_, "the second-order update");
     const double damping = plan.damping;
     second_order_damping_ = damping;
     // Decompose every factor this rank owns as independent tasks, then apply the results
@@ -122,6 +124,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
             }
         }
         if (p.share_second_order) {
+            comm::announce_phase(comm_, "the second-order update (its broadcasts)");
             method::for_each_payload(l.state.second, factor_side::a, [&](scalar_type* d, std::size_t n) {
                 comm_.broadcast(staging_.stage(d, n, broadcast_transfer(p.computes_a)), n, p.a_root, column_group_);
             });

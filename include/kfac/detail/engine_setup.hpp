@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kfac/comm/serial.hpp"
 #include "kfac/assignment/kaisa_grid.hpp"
 #include "kfac/assignment/placement_costs.hpp"
 #include "kfac/backend/eigenbasis_reuse.hpp"
@@ -151,6 +152,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_items_agree(const std::ve
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::setup() {
     if (started_) return;
+    comm::announce_phase(comm_, "the set-up (configuration agreement, placement, groups)");
     int threads = 1;
     agree_on([&] { threads = options_.threads > 0 ? options_.threads : detail::default_thread_count(comm_.size()); });
     if constexpr (device_backend) threads = 1;  // a device backend queues from one host thread

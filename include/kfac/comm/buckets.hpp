@@ -1,0 +1,100 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file buckets.hpp
+/// The bucketed allreduce's layout, shared by every transport (kfac/comm/mpi.hpp,
+/// kfac/comm/c10d.hpp): which items travel together, and how an item is packed into a bucket
+/// (whole, or a symmetric matrix's lower triangle) and unpacked from it. The transport only
+/// moves the buckets, so two transports given the same items send the same bytes.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "kfac/comm/serial.hpp"
+
+namespace kfac::comm::detail {
+
+/// Copies a symmetric column-major dim × dim matrix's lower triangle (column by column,
+/// n(n+1)/2 values) to `out`.
+template <class T>
+void pack_lower(const T* m, std::int64_t dim, T* out) {
+    for (std::int64_t j = 0; j < dim; ++j) {
+        std::memcpy(out, m + j * dim + j, sizeof(T) * static_cast<std::size_t>(dim - j));
+        out += dim - j;
+    }
+}
+/// The inverse of pack_lower, mirroring the triangle into the upper half.
+template <class T>
+void unpack_lower(const T* in, std::int64_t dim, T* m) {
+    for (std::int64_t j = 0; j < dim; ++j) {
+        for (std::int64_t i = j; i < dim; ++i) {
+            m[j * dim + i] = *in;
+            m[i * dim + j] = *in;
+            ++in;
+        }
+    }
+}
+
+/// Values an item occupies in a bucket.
+template <class T>
+std::size_t packed_count(const allreduce_item<T>& it, bool pack_symmetric) {
+    return pack_symmetric && it.symmetric ? static_cast<std::size_t>(it.dim * (it.dim + 1) / 2) : it.count;
+}
+
+/// Consecutive items, [first, last), and where their values start in the shared buffer.
+struct bucket {
+    std::size_t first = 0;
+    std::size_t last = 0;
+    std::size_t offset = 0;
+    std::size_t count = 0;
+};
+
+/// Groups consecutive items while the cap allows (cap_bytes 0: one bucket per item); an item
+/// larger than the cap travels alone.
+template <class T>
+std::vector<bucket> plan_buckets(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes,
+                                 bool pack_symmetric) {
+    const std::size_t cap = cap_bytes == 0 ? 0 : std::max<std::size_t>(1, cap_bytes / sizeof(T));
+    std::vector<bucket> out;
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < items.size(); ++i) {
+        const std::size_t n = packed_count(items[i], pack_symmetric);
+        if (out.empty() || (cap == 0 || out.back().count + n > cap)) out.push_back({i, i, offset, 0});
+        out.back().last = i + 1;
+        out.back().count += n;
+        offset += n;
+    }
+    return out;
+}
+
+/// Values of all buckets together.
+inline std::size_t total_count(const std::vector<bucket>& buckets) {
+    return buckets.empty() ? 0 : buckets.back().offset + buckets.back().count;
+}
+
+/// Copies bucket `b`'s items into `buffer` at the bucket's offset.
+template <class T>
+void pack_bucket(const std::vector<allreduce_item<T>>& items, const bucket& b, bool pack_symmetric, T* buffer) {
+    T* out = buffer + b.offset;
+    for (std::size_t i = b.first; i < b.last; ++i) {
+        const auto& it = items[i];
+        if (pack_symmetric && it.symmetric) pack_lower(it.data, it.dim, out);
+        else std::memcpy(out, it.data, sizeof(T) * it.count);
+        out += packed_count(it, pack_symmetric);
+    }
+}
+
+/// Copies every item back out of `buffer`.
+template <class T>
+void unpack_items(const std::vector<allreduce_item<T>>& items, bool pack_symmetric, const T* buffer) {
+    for (const auto& it : items) {
+        if (pack_symmetric && it.symmetric) unpack_lower(buffer, it.dim, it.data);
+        else std::memcpy(it.data, buffer, sizeof(T) * it.count);
+        buffer += packed_count(it, pack_symmetric);
+    }
+}
+
+}  // namespace kfac::comm::detail

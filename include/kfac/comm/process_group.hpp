@@ -1,0 +1,325 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file process_group.hpp
+/// The communication policy over a LibTorch `c10d::ProcessGroup` (CMake target kfac::c10d):
+/// the Gloo or NCCL process group a data-parallel LibTorch program already has. The contract
+/// is documented in kfac/comm/serial.hpp; the guarantees are those of kfac::comm::mpi.
+///
+/// The world's collectives run on the caller's process group, in the order every rank issues
+/// them: the host must not run its own collectives on that group from another thread while a
+/// kfac call is in progress (DDP's gradient allreduce has completed when the optimizer step
+/// runs). KAISA's groups of some ranks are new process groups that `make_group` builds over
+/// the caller's store under the prefix "kfac/<policy>/<split>/<color>/", as
+/// torch.distributed.new_group builds its groups; kfac/comm/process_group_gloo.hpp makes Gloo
+/// ones with the world's devices and timeout.
+///
+/// No hang: every wait is bounded by `timeout`; a collective that does not complete in time,
+/// or fails (a peer died, a connection closed), raises a kfac::error naming this rank and the
+/// phase of the step it belonged to. The ranks still running reach the same error in the same
+/// phase when their own wait runs out.
+///
+/// Payloads are host memory here: a device backend's data goes through kfac's host staging
+/// (kfac/detail/host_staging.hpp), as with a MPI that is not CUDA-aware.
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kfac/comm/buckets.hpp"
+#include "kfac/comm/serial.hpp"
+#include "kfac/config.hpp"
+
+namespace kfac::comm {
+
+/// Builds the process group of `size` ranks in which this rank is `rank`, over `store` (a
+/// prefix store that only the group's members use).
+using group_factory = std::function<c10::intrusive_ptr<::c10d::ProcessGroup>(
+    const c10::intrusive_ptr<::c10d::Store>& store, int rank, int size)>;
+
+namespace detail {
+
+template <class T>
+at::ScalarType torch_dtype() {
+    if constexpr (std::is_same_v<T, float>) return at::kFloat;
+    else if constexpr (std::is_same_v<T, double>) return at::kDouble;
+    else if constexpr (std::is_same_v<T, std::int64_t>) return at::kLong;
+    else if constexpr (std::is_same_v<T, std::int32_t>) return at::kInt;
+    else if constexpr (std::is_same_v<T, char>) return at::kByte;
+    else static_assert(std::is_same_v<T, float>, "kfac::comm::process_group: unsupported payload type");
+}
+
+/// A one-dimensional tensor over `count` values at `data`, which it does not own.
+template <class T>
+at::Tensor host_tensor(T* data, std::size_t count) {
+    return at::from_blob(static_cast<void*>(data), {static_cast<std::int64_t>(count)},
+                         at::TensorOptions().dtype(torch_dtype<T>()));
+}
+
+}  // namespace detail
+
+/// c10d transport. Move-only; copies of the caller's process group and store are shared.
+class process_group {
+public:
+    /// A group of ranks: its process group (none for a group of one rank).
+    struct group {
+        c10::intrusive_ptr<::c10d::ProcessGroup> pg;
+        int size = 1;
+    };
+
+    /// @param world the caller's process group over every rank
+    /// @param store the store it was built over; KAISA's groups rendezvous through it
+    /// @param make_group builds those groups (kfac::comm::gloo_groups for Gloo)
+    /// @param timeout the longest any collective may take before it is an error
+    process_group(c10::intrusive_ptr<::c10d::ProcessGroup> world, c10::intrusive_ptr<::c10d::Store> store,
+                  group_factory make_group, std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
+        if (!world) throw error("kfac::comm::process_group: the process group is null");
+        if (!store) throw error("kfac::comm::process_group: the store is null; pass the store the process group "
+                                "was built over (KAISA's groups of some ranks rendezvous through it)");
+        if (!make_group) throw error("kfac::comm::process_group: no group factory; for Gloo pass "
+                                     "kfac::comm::gloo_groups(options) (kfac/comm/process_group_gloo.hpp)");
+        if (timeout.count() <= 0)
+            throw error("kfac::comm::process_group: the timeout must be positive, not " +
+                        std::to_string(timeout.count()) + " ms");
+        state_ = std::make_unique<state>();
+        state_->world = {world, world->getSize()};
+        state_->rank = world->getRank();
+        state_->store = std::move(store);
+        state_->make_group = std::move(make_group);
+        state_->timeout = timeout;
+    }
+
+    [[nodiscard]] int rank() const noexcept { return state_->rank; }
+    [[nodiscard]] int size() const noexcept { return state_->world.size; }
+    [[nodiscard]] group world() const noexcept { return state_->world; }
+    [[nodiscard]] int group_size(const group& g) const noexcept { return g.size; }
+
+    /// Names the phase of the step that the next data collectives belong to, for errors.
+    void phase(const char* name) noexcept { state_->phase = name; }
+
+    /// Collective over the world: ranks with the same color form a group, ordered by rank.
+    group split(int color) {
+        const std::vector<std::uint64_t> colors =
+            allgather(static_cast<std::uint64_t>(static_cast<std::int64_t>(color)), "the allgather that forms KAISA's groups");
+        int group_rank = 0, group_size = 0;
+        for (int r = 0; r < size(); ++r) {
+            if (colors[static_cast<std::size_t>(r)] != colors[static_cast<std::size_t>(rank())]) continue;
+            if (r < rank()) ++group_rank;
+            ++group_size;
+        }
+        const int split_index = state_->splits++;
+        if (group_size == 1) return {c10::intrusive_ptr<::c10d::ProcessGroup>(), 1};
+        if (group_size == size()) return state_->world;  // every rank, in the same order
+        if (state_->id < 0) {
+            // A number no other policy over this store has: rank 0 draws it from the store and
+            // tells the others, so two policies' groups never share a prefix.
+            std::int64_t id = rank() == 0 ? state_->store->add("kfac/policies", 1) : 0;
+            control_broadcast(&id, 1, 0, "the broadcast that numbers kfac's groups");
+            state_->id = id;
+        }
+        const std::string prefix = "kfac/" + std::to_string(state_->id) + "/" + std::to_string(split_index) + "/" +
+                                   std::to_string(color) + "/";
+        auto store = c10::make_intrusive<::c10d::PrefixStore>(prefix, state_->store);
+        try {
+            return {state_->make_group(store, group_rank, group_size), group_size};
+        } catch (const std::exception& e) {
+            throw error("kfac::comm::process_group: rank " + std::to_string(rank()) + " could not build its group of " +
+                        std::to_string(group_size) + " ranks (color " + std::to_string(color) + "): " + e.what());
+        }
+    }
+
+    template <class T>
+    void allreduce_sum(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes, bool pack_symmetric,
+                       const group& g) {
+        if (g.size <= 1 || items.empty()) return;
+        auto& buffer = bucket_storage<T>(g.pg.get());
+        const std::vector<detail::bucket> buckets = detail::plan_buckets(items, cap_bytes, pack_symmetric);
+        buffer.resize(detail::total_count(buckets));
+        std::vector<c10::intrusive_ptr<::c10d::Work>> works;
+        // Each bucket starts as soon as it is packed and travels while the next is packed.
+        for (const auto& b : buckets) {
+            detail::pack_bucket(items, b, pack_symmetric, buffer.data());
+            std::vector<at::Tensor> tensors{detail::host_tensor(buffer.data() + b.offset, b.count)};
+            works.push_back(start("an allreduce", [&] { return g.pg->allreduce(tensors); }));
+            ++state_->counters.allreduce_calls;
+            state_->counters.allreduce_bytes += static_cast<std::int64_t>(b.count * sizeof(T));
+        }
+        complete(works, "an allreduce");
+        detail::unpack_items(items, pack_symmetric, buffer.data());
+    }
+
+    template <class T>
+    void broadcast(T* data, std::size_t count, int root, const group& g) {
+        if (g.size <= 1 || count == 0) return;
+        std::vector<at::Tensor> tensors{detail::host_tensor(data, count)};
+        ::c10d::BroadcastOptions o;
+        o.rootRank = root;
+        state_->pending.push_back(start("a broadcast", [&] { return g.pg->broadcast(tensors, o); }));
+        ++state_->counters.broadcast_calls;
+        state_->counters.broadcast_bytes += static_cast<std::int64_t>(count * sizeof(T));
+    }
+
+    void wait() {
+        if (state_->pending.empty()) return;
+        auto works = std::move(state_->pending);
+        state_->pending.clear();
+        complete(works, "a broadcast");
+    }
+
+    /// Every rank learns whether any failed; all get the lowest failing rank's message.
+    std::optional<std::string> agree(const std::optional<std::string>& local_error) {
+        const int world = size();
+        if (world == 1) return local_error;
+        std::int64_t first = local_error ? rank() : world;
+        control_reduce(&first, 1, ::c10d::ReduceOp::MIN, "the allreduce of the failure agreement");
+        if (first == world) return std::nullopt;
+        std::string message =
+            broadcast_text(rank() == first ? *local_error : std::string(), static_cast<int>(first),
+                           "the broadcast of the failure agreement's message");
+        return "rank " + std::to_string(first) + ": " + message;
+    }
+
+    std::vector<std::uint64_t> allgather(std::uint64_t value) {
+        return allgather(value, "the allgather of configuration digests");
+    }
+
+    std::string broadcast_text(const std::string& text, int root) {
+        return broadcast_text(text, root, "the broadcast of a configuration or checkpoint");
+    }
+
+    void allreduce_max(std::vector<std::int64_t>& values) {
+        if (size() == 1 || values.empty()) return;
+        control_reduce(values.data(), values.size(), ::c10d::ReduceOp::MAX, "the allreduce of a vote");
+    }
+
+    [[nodiscard]] const comm_counters& counters() const noexcept { return state_->counters; }
+
+private:
+    std::vector<std::uint64_t> allgather(std::uint64_t value, const char* what) {
+        std::vector<std::uint64_t> out(static_cast<std::size_t>(size()), value);
+        if (size() == 1) return out;
+        std::vector<std::int64_t> values(out.size());
+        std::int64_t mine = static_cast<std::int64_t>(value);
+        std::vector<at::Tensor> in{detail::host_tensor(&mine, 1)};
+        std::vector<std::vector<at::Tensor>> gathered(1);
+        for (auto& v : values) gathered[0].push_back(detail::host_tensor(&v, 1));
+        std::vector<c10::intrusive_ptr<::c10d::Work>> works{
+            start(what, [&] { return state_->world.pg->allgather(gathered, in); })};
+        complete(works, what);
+        ++state_->counters.control_calls;
+        for (std::size_t r = 0; r < out.size(); ++r) out[r] = static_cast<std::uint64_t>(values[r]);
+        return out;
+    }
+
+    struct state {
+        int rank = 0;
+        std::int64_t id = -1;  // drawn at the first split that needs a group
+        int splits = 0;
+        group world{};
+        c10::intrusive_ptr<::c10d::Store> store;
+        group_factory make_group;
+        std::chrono::milliseconds timeout{};
+        const char* phase = "a collective";
+        std::vector<c10::intrusive_ptr<::c10d::Work>> pending;
+        std::map<const ::c10d::ProcessGroup*, std::vector<float>> float_buckets;
+        std::map<const ::c10d::ProcessGroup*, std::vector<double>> double_buckets;
+        comm_counters counters{};
+    };
+
+    template <class T>
+    std::vector<T>& bucket_storage(const ::c10d::ProcessGroup* pg) {
+        if constexpr (std::is_same_v<T, float>) return state_->float_buckets[pg];
+        else return state_->double_buckets[pg];
+    }
+
+    /// The error of a collective (`operation`) that failed or ran out of time on this rank,
+    /// in `phase` of the step.
+    [[nodiscard]] error failure(const std::string& phase, const std::string& operation, const std::string& why) const {
+        return error("kfac::comm::process_group: rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+                     ": " + operation + " in " + phase + " " + why +
+                     " (a rank that stopped, or raised an error outside kfac, leaves the others waiting until the "
+                     "timeout; a timeout too short for the payload can be raised: process_group's timeout argument, "
+                     "and the process group's own)");
+    }
+
+    /// An exception's message; LibTorch's without the C++ backtrace it appends.
+    static std::string message_of(const std::exception& e) {
+        if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+        return e.what();
+    }
+
+    /// Starts a collective; a process group that refuses it raises a kfac::error.
+    template <class Start>
+    c10::intrusive_ptr<::c10d::Work> start(const std::string& operation, Start&& s) {
+        try {
+            return s();
+        } catch (const std::exception& e) {
+            throw failure(state_->phase, operation, std::string("could not start: ") + message_of(e));
+        }
+    }
+
+    /// Waits for every work, at most the timeout each.
+    void complete(std::vector<c10::intrusive_ptr<::c10d::Work>>& works, const std::string& operation) {
+        const std::string what = state_->phase;
+        for (auto& w : works) {
+            try {
+                if (!w->wait(state_->timeout))
+                    throw failure(what, operation, "did not complete in " + std::to_string(state_->timeout.count()) + " ms");
+            } catch (const error&) {
+                throw;
+            } catch (const std::exception& e) {
+                throw failure(what, operation, std::string("failed or timed out after ") +
+                                                   std::to_string(state_->timeout.count()) + " ms: " + message_of(e));
+            }
+        }
+        works.clear();
+    }
+
+    /// A reduction of control values over the world (agreement, votes).
+    void control_reduce(std::int64_t* values, std::size_t count, ::c10d::ReduceOp::RedOpType op, const char* what) {
+        std::vector<at::Tensor> tensors{detail::host_tensor(values, count)};
+        ::c10d::AllreduceOptions o;
+        o.reduceOp = op;
+        std::vector<c10::intrusive_ptr<::c10d::Work>> works{
+            start(what, [&] { return state_->world.pg->allreduce(tensors, o); })};
+        complete(works, what);
+        ++state_->counters.control_calls;
+    }
+
+    std::string broadcast_text(const std::string& text, int root, const char* what) {
+        std::string out = rank() == root ? text : std::string();
+        if (size() == 1) return out;
+        std::int64_t length = static_cast<std::int64_t>(out.size());
+        control_broadcast(&length, 1, root, what);
+        out.resize(static_cast<std::size_t>(length));
+        if (length > 0) control_broadcast(out.data(), out.size(), root, what);
+        return out;
+    }
+
+    /// A broadcast of control values over the world from `root`.
+    template <class T>
+    void control_broadcast(T* data, std::size_t count, int root, const char* what) {
+        std::vector<at::Tensor> tensors{detail::host_tensor(data, count)};
+        ::c10d::BroadcastOptions o;
+        o.rootRank = root;
+        std::vector<c10::intrusive_ptr<::c10d::Work>> works{
+            start(what, [&] { return state_->world.pg->broadcast(tensors, o); })};
+        complete(works, what);
+        ++state_->counters.control_calls;
+    }
+
+    std::unique_ptr<state> state_;
+};
+
+}  // namespace kfac::comm
