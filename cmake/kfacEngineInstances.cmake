@@ -14,7 +14,7 @@
 #
 #   kfac_engines       cpu_eigen<float|double> x comm::serial x eigendecomposition|inverse
 #   kfac_engines_mpi   the same with comm::mpi (when MPI is found), plus kfac_engines
-#   kfac_engines_process_group   cpu_eigen<double> x comm::process_group (when LibTorch is found)
+#   kfac_engines_process_group   the same with comm::process_group (when LibTorch is found)
 #
 # Only for programs built with the same definitions and target flags as the library they link
 # (a program compiled with other BLAS or Eigen settings, as kfac_traces_fixed and the Prescott
@@ -23,6 +23,19 @@
 # alignment (EIGEN_MAX_ALIGN_BYTES, which -mavx or -mavx512f change) and only the library's own
 # alignment is defined: a program of another alignment fails to link.
 set(kfac_engines_dir ${PROJECT_BINARY_DIR}/kfac_engines)
+
+# In a build with the tests the engines are compiled at -O1: measured, kfac_engines.cpp took
+# 42.8 s of CPU at -O1 against 64.9 s at -O3, and the flagship's K-FAC runs took as long with
+# either (their time is BLAS, LAPACK and LibTorch) with the same output; every level gives the
+# same numbers (no -ffast-math, no FMA contraction; traces.* replays fixtures recorded at -O3
+# bit for bit). A build of the benchmarks alone keeps the build type's level.
+if(KFAC_BUILD_TESTS)
+  set(kfac_engines_default_optimization -O1)
+else()
+  set(kfac_engines_default_optimization "")
+endif()
+set(KFAC_ENGINES_OPTIMIZATION "${kfac_engines_default_optimization}" CACHE STRING
+    "Optimisation flag of the engine libraries (empty: the build type's; README, \"Build time\")")
 
 # kfac_add_engines(<target> <comm: serial|mpi|process_group> <quoted header to include>...)
 # The scalar types are kfac_engine_scalars when the caller sets it, else float and double.
@@ -64,7 +77,7 @@ extern const int ${TARGET}_ABI;
 ")
   add_library(${target} STATIC ${sources})
   target_link_libraries(${target} PUBLIC kfac::kfac)
-  target_compile_options(${target} PRIVATE -Wall -Wextra -Werror
+  target_compile_options(${target} PRIVATE ${KFAC_ENGINES_OPTIMIZATION} -Wall -Wextra -Werror
                          INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-include${header}>
                                    $<$<COMPILE_LANGUAGE:CUDA>:--pre-include=${header}>)
 endfunction()
@@ -75,11 +88,7 @@ if(KFAC_HAS_MPI)
   target_link_libraries(kfac_engines_mpi PUBLIC kfac::mpi kfac_engines)
 endif()
 if(KFAC_HAS_C10D)
-  # Double only: every program over comm::process_group here (tests/process_group, the README's)
-  # computes in double; the float pair would add about 60 s of CPU to the build.
-  set(kfac_engine_scalars double)
   kfac_add_engines(kfac_engines_process_group process_group "\"kfac/kfac.hpp\"" "\"kfac/comm/process_group_gloo.hpp\"")
-  unset(kfac_engine_scalars)
   target_link_libraries(kfac_engines_process_group PUBLIC kfac::c10d kfac_engines)
 endif()
 

@@ -8,7 +8,10 @@
 //   summary optimizer=kfac model=cnn epochs=4 test_accuracy=0.9123 seconds=98.7
 //
 // Built a second time as kfac_fashion_mnist_mpi (KFAC_EXAMPLE_MPI): data-parallel over MPI
-// ranks, `mpiexec -n 2 kfac_fashion_mnist_mpi --strategy hybrid_opt`. Each rank takes a slice
+// ranks, `mpiexec -n 2 kfac_fashion_mnist_mpi --strategy hybrid_opt`; and a third time as
+// kfac_fashion_mnist_gloo (KFAC_EXAMPLE_GLOO): data-parallel over a LibTorch Gloo process group,
+// the gradients averaged and K-FAC distributed over the same group, its ranks started as
+// torch's launchers start them or by mpiexec (examples/common/gloo_world.hpp). Each rank takes a slice
 // of every minibatch; its loss is the mean over its slice (what per-example statistics assume)
 // and its gradients, weighted by the slice's share, sum over the ranks to the minibatch's mean
 // loss's, so the gradients and the K-FAC factors averaged over the ranks are those of one
@@ -52,6 +55,12 @@
 
 #include <kfac/comm/mpi.hpp>
 #endif
+#ifdef KFAC_EXAMPLE_GLOO
+#include "gloo_world.hpp"
+#endif
+#if defined(KFAC_EXAMPLE_MPI) || defined(KFAC_EXAMPLE_GLOO)
+#define KFAC_EXAMPLE_DISTRIBUTED 1
+#endif
 
 #include "cli.hpp"
 #include "fashion_mnist_dataset.hpp"
@@ -69,20 +78,39 @@ namespace F = torch::nn::functional;
 
 constexpr int exit_skip = 77;  // the data set is missing (CTest's SKIP_RETURN_CODE)
 
-#ifdef KFAC_EXAMPLE_MPI
+#if defined(KFAC_EXAMPLE_MPI)
 using cpu_preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::mpi>;
 constexpr const char* program = "kfac_fashion_mnist_mpi";
+#elif defined(KFAC_EXAMPLE_GLOO)
+using cpu_preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::process_group>;
+constexpr const char* program = "kfac_fashion_mnist_gloo";
 #else
 using cpu_preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>>;
 constexpr const char* program = "kfac_fashion_mnist";
 #endif
 
 // ---------------------------------------------------------------------------------------
-// The processes of a run: one, or the MPI ranks of a data-parallel run.
+// The processes of a run: one, or the MPI ranks or Gloo processes of a data-parallel run.
 
 struct processes {
     int rank = 0, size = 1;
-#ifdef KFAC_EXAMPLE_MPI
+#if defined(KFAC_EXAMPLE_GLOO)
+    processes() : world(join_gloo_world()), comm(world.kfac_comm()) {
+        rank = world.pg->getRank();
+        size = world.pg->getSize();
+    }
+    void sum(std::vector<double>& v) const { sum_tensor(torch::from_blob(v.data(), {static_cast<std::int64_t>(v.size())}, torch::kDouble)); }
+    void sum(float* v, std::size_t n) const { sum_tensor(torch::from_blob(v, {static_cast<std::int64_t>(n)}, torch::kFloat)); }
+    void sum_tensor(const torch::Tensor& t) const {
+        std::vector<torch::Tensor> tensors{t};
+        world.pg->allreduce(tensors)->wait();
+    }
+    std::optional<std::string> agree(std::optional<std::string> failure) const { return comm.agree(failure); }
+    /// The preconditioner's policy over the same process group as the gradients' averaging.
+    [[nodiscard]] kfac::comm::process_group kfac_comm() const { return world.kfac_comm(); }
+    gloo_world world;
+    mutable kfac::comm::process_group comm;
+#elif defined(KFAC_EXAMPLE_MPI)
     processes() {
         MPI_Comm_rank(MPI_COMM_WORLD, &rank);
         MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -95,6 +123,7 @@ struct processes {
     }
     /// The first failure on any rank, on every rank (none waits for a failed one).
     std::optional<std::string> agree(std::optional<std::string> failure) const { return comm.agree(failure); }
+    [[nodiscard]] kfac::comm::mpi kfac_comm() const { return kfac::comm::mpi(); }
     mutable kfac::comm::mpi comm;
 #else
     void sum(std::vector<double>&) const {}
@@ -222,7 +251,7 @@ void usage() {
         "  --stop-after N         stop after epoch N (to resume later)\n"
         "  --train-limit N, --test-limit N   use only the first N images (tests)\n"
         "  --expect-accuracy X    exit 1 unless every optimizer's final test accuracy is >= X\n"
-#ifdef KFAC_EXAMPLE_MPI
+#ifdef KFAC_EXAMPLE_DISTRIBUTED
         "  --strategy S           comm_opt, hybrid_opt, mem_opt or dp_kfac (default comm_opt)\n"
 #endif
         "exit status: 0 done, 1 error or expectation not met, 2 usage, 77 data set not found\n",
@@ -292,7 +321,7 @@ settings read_settings(int argc, char** argv, bool& help) {
     s.train_limit = static_cast<std::size_t>(args.integer("train-limit", 0));
     s.test_limit = static_cast<std::size_t>(args.integer("test-limit", 0));
     if (args.text("expect-accuracy")) s.expect_accuracy = args.number("expect-accuracy", 0.0);
-#ifdef KFAC_EXAMPLE_MPI
+#ifdef KFAC_EXAMPLE_DISTRIBUTED
     s.strategy = args.text("strategy", s.strategy);
     if (s.strategy != "comm_opt" && s.strategy != "hybrid_opt" && s.strategy != "mem_opt" && s.strategy != "dp_kfac")
         throw cli_error("--strategy must be comm_opt, hybrid_opt, mem_opt or dp_kfac, not '" + s.strategy + "'");
@@ -418,12 +447,12 @@ public:
         // kl_clip's η is the optimizer's learning rate, which follows the schedule.
         const double lr0 = o_.lr;
         opts.lr = [lr0, steps_total](std::int64_t k) { return cosine_lr(lr0, k, steps_total); };
-#ifdef KFAC_EXAMPLE_MPI
+#ifdef KFAC_EXAMPLE_DISTRIBUTED
         if (settings_.strategy == "comm_opt") opts.grad_worker_fraction = kfac::comm_opt;
         else if (settings_.strategy == "hybrid_opt") opts.grad_worker_fraction = kfac::hybrid_opt;
         else if (settings_.strategy == "mem_opt") opts.grad_worker_fraction = kfac::mem_opt;
         else opts.strategy = kfac::distribution::dp_kfac;
-        precond_ = std::make_unique<held_kfac<cpu_preconditioner>>("cpu_eigen<float>", opts, kfac::comm::mpi());
+        precond_ = std::make_unique<held_kfac<cpu_preconditioner>>("cpu_eigen<float>", opts, procs_.kfac_comm());
 #else
         precond_ = make_kfac(opts, settings_.device == "cuda");
 #endif

@@ -1,7 +1,7 @@
 #!/bin/sh
 # launch.sh N PROGRAM [ARGS...]: starts N copies of PROGRAM as torch's launchers start the
 # ranks of a data-parallel job, without mpiexec: RANK, LOCAL_RANK, WORLD_SIZE and
-# LOCAL_WORLD_SIZE in the environment, and KFAC_TEST_STORE, a fresh FileStore path that the
+# LOCAL_WORLD_SIZE in the environment, and KFAC_STORE, a fresh FileStore path that the
 # ranks rendezvous through. Exits with the first nonzero status of any rank (0 when all
 # succeed); a rank's 77 (skipped) passes through. Killing the launcher kills the ranks.
 set -u
@@ -16,7 +16,7 @@ cleanup() {
 trap 'cleanup; exit 143' TERM INT
 rank=0
 while [ "$rank" -lt "$n" ]; do
-  RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=$n LOCAL_WORLD_SIZE=$n KFAC_TEST_STORE="$dir/store" "$@" &
+  RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=$n LOCAL_WORLD_SIZE=$n KFAC_STORE="$dir/store" "$@" &
   pids="$pids $!"
   rank=$((rank + 1))
 done

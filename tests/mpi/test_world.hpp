@@ -4,7 +4,7 @@
 // MPI ranks under `mpiexec -n W` (kfac::comm::mpi), or, with KFAC_TEST_PROCESS_GROUP,
 // processes started by tests/mpi/launch.sh over a Gloo process group on the loopback
 // interface (kfac::comm::process_group): RANK and WORLD_SIZE as torch's launchers set them,
-// and KFAC_TEST_STORE, the FileStore's path. A process started alone is a world of one.
+// and KFAC_STORE, the FileStore's path. A process started alone is a world of one.
 //
 // The tests' own collectives (comparing results across ranks) go through the same world.
 
@@ -61,9 +61,9 @@ inline std::chrono::milliseconds test_timeout() {
 inline void init_world(int, char**) {
     auto& w = detail::the_world();
     const int rank = detail::env_int("RANK", 0), size = detail::env_int("WORLD_SIZE", 1);
-    std::string path = std::getenv("KFAC_TEST_STORE") ? std::getenv("KFAC_TEST_STORE") : "";
+    std::string path = std::getenv("KFAC_STORE") ? std::getenv("KFAC_STORE") : "";
     if (path.empty()) {
-        if (size != 1) throw kfac::error("KFAC_TEST_STORE is not set: start the ranks with tests/mpi/launch.sh");
+        if (size != 1) throw kfac::error("KFAC_STORE is not set: start the ranks with tests/mpi/launch.sh");
         path = (std::filesystem::temp_directory_path() / ("kfac_test_store_" + std::to_string(::getpid()))).string();
         w.own_store = path;
     }

@@ -470,8 +470,8 @@ template <template <class> class BackendOf>
 inline constexpr bool replays_in_float = true;
 template <>
 inline constexpr bool replays_in_float<staged_backend> = false;
-/// Over comm::process_group the replays run in double only (kfac_engines_process_group holds
-/// the double engines alone).
+/// Over comm::process_group the replays run in double only (every case once over Gloo is
+/// enough; the float replay instances would add their compile for nothing).
 template <class Comm>
 inline constexpr bool comm_replays_in_float = true;
 #if KFAC_REPLAY_WITH_PROCESS_GROUP
