@@ -50,25 +50,17 @@ install(EXPORT kfac-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR
 install(DIRECTORY ${kfac_SOURCE_DIR}/include/kfac DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
         COMPONENT kfac_development FILES_MATCHING PATTERN "*.cuh")
 
+# One export set per component the build has (kfac_<component> targets, exported as kfac::<component>).
 set(_kfac_available_components)
-if(KFAC_HAS_MPI AND TARGET kfac_mpi)
-  _kfac_install_target(kfac_mpi kfac-mpi-targets)
-  install(EXPORT kfac-mpi-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
-          COMPONENT kfac_development)
-  list(APPEND _kfac_available_components mpi)
-endif()
-if(KFAC_HAS_C10D AND TARGET kfac_c10d)
-  _kfac_install_target(kfac_c10d kfac-c10d-targets)
-  install(EXPORT kfac-c10d-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
-          COMPONENT kfac_development)
-  list(APPEND _kfac_available_components c10d)
-endif()
-if(KFAC_HAS_CUDA AND TARGET kfac_cuda)
-  _kfac_install_target(kfac_cuda kfac-cuda-targets)
-  install(EXPORT kfac-cuda-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
-          COMPONENT kfac_development)
-  list(APPEND _kfac_available_components cuda)
-endif()
+foreach(_kfac_component IN ITEMS mpi c10d cuda)
+  string(TOUPPER ${_kfac_component} _kfac_upper)
+  if(KFAC_HAS_${_kfac_upper} AND TARGET kfac_${_kfac_component})
+    _kfac_install_target(kfac_${_kfac_component} kfac-${_kfac_component}-targets)
+    install(EXPORT kfac-${_kfac_component}-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
+            COMPONENT kfac_development)
+    list(APPEND _kfac_available_components ${_kfac_component})
+  endif()
+endforeach()
 
 # The BLAS finder goes beside kfacConfig.cmake, which runs it again with the choice this build
 # made (KFAC_BLAS_USED), so the consumer's own scipy-openblas32 or OpenBLAS is linked.

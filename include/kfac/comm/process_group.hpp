@@ -214,10 +214,7 @@ private:
         std::vector<at::Tensor> in{detail::host_tensor(&mine, 1)};
         std::vector<std::vector<at::Tensor>> gathered(1);
         for (auto& v : values) gathered[0].push_back(detail::host_tensor(&v, 1));
-        std::vector<c10::intrusive_ptr<::c10d::Work>> works{
-            start(what, [&] { return state_->world.pg->allgather(gathered, in); })};
-        complete(works, what);
-        ++state_->counters.control_calls;
+        run_control(what, [&] { return state_->world.pg->allgather(gathered, in); });
         for (std::size_t r = 0; r < out.size(); ++r) out[r] = static_cast<std::uint64_t>(values[r]);
         return out;
     }
@@ -286,15 +283,20 @@ private:
         works.clear();
     }
 
+    /// One collective of control traffic over the world, started by `launch` and waited for.
+    template <class Launch>
+    void run_control(const char* what, Launch&& launch) {
+        std::vector<c10::intrusive_ptr<::c10d::Work>> works{start(what, launch)};
+        complete(works, what);
+        ++state_->counters.control_calls;
+    }
+
     /// A reduction of control values over the world (agreement, votes).
     void control_reduce(std::int64_t* values, std::size_t count, ::c10d::ReduceOp::RedOpType op, const char* what) {
         std::vector<at::Tensor> tensors{detail::host_tensor(values, count)};
         ::c10d::AllreduceOptions o;
         o.reduceOp = op;
-        std::vector<c10::intrusive_ptr<::c10d::Work>> works{
-            start(what, [&] { return state_->world.pg->allreduce(tensors, o); })};
-        complete(works, what);
-        ++state_->counters.control_calls;
+        run_control(what, [&] { return state_->world.pg->allreduce(tensors, o); });
     }
 
     std::string broadcast_text(const std::string& text, int root, const char* what) {
@@ -313,10 +315,7 @@ private:
         std::vector<at::Tensor> tensors{detail::host_tensor(data, count)};
         ::c10d::BroadcastOptions o;
         o.rootRank = root;
-        std::vector<c10::intrusive_ptr<::c10d::Work>> works{
-            start(what, [&] { return state_->world.pg->broadcast(tensors, o); })};
-        complete(works, what);
-        ++state_->counters.control_calls;
+        run_control(what, [&] { return state_->world.pg->broadcast(tensors, o); });
     }
 
     std::unique_ptr<state> state_;
