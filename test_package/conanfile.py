@@ -25,6 +25,11 @@ class KfacTestPackageConan(ConanFile):
         components = [name for name, option in (("mpi", "with_mpi"), ("cuda", "with_cuda"))
                       if kfac.options.get_safe(option)]
         tc.cache_variables["KFAC_TEST_COMPONENTS"] = ";".join(components)
+        # The program checks that the package is found, compiles, links and steps once: its
+        # compile time is template instantiation, and optimisation would only add to it.
+        if (self.settings.get_safe("compiler") in ("gcc", "clang", "apple-clang")
+                and self.settings.get_safe("build_type") == "Release"):
+            tc.cache_variables["CMAKE_CXX_FLAGS_RELEASE"] = "-O0 -DNDEBUG"
         tc.generate()
         # Writes the config files of kfac's Conan requirements (eigen with system_deps=False);
         # none for kfac itself, whose own kfacConfig.cmake is used.
