@@ -11,6 +11,10 @@
 /// prints one JSON object per line; kfac_schedule_study --measured reads them. A first line
 /// ("calibration") measures the machine at this world size for the study's cost model.
 ///
+/// With --overlap, one line per strategy that broadcasts second-order data (comm_opt,
+/// hybrid_opt): the update step with options.overlap_communication off and on, interleaved,
+/// the time the ranks waited for those broadcasts in each, and the fraction of it hidden.
+///
 /// With --waits, one line instead: the time of a round of a step's control traffic (a little
 /// work on each rank, an agreement and a broadcast of one number) through comm::mpi, which
 /// waits by testing and yielding the processor, and through MPICH's blocking MPI_Allreduce and
@@ -107,6 +111,59 @@ double median_step_ms(const kfac_bench::model& m, std::int64_t local_batch, kfac
     }
     std::sort(times.begin(), times.end());
     return times[times.size() / 2];
+}
+
+/// The update step with options.overlap_communication off and on, interleaved step by step on
+/// the same data (the machine's drift falls on both): the slowest rank's median step time of
+/// each and the mean over ranks of the time spent waiting for the second-order broadcasts
+/// per step (comm_counters::broadcast_wait_seconds). The hidden fraction is the share of the
+/// wait that overlapping took away.
+struct overlap_row {
+    double off_ms = 0, on_ms = 0, off_wait_ms = 0, on_wait_ms = 0;
+};
+
+template <class Method>
+overlap_row measure_overlap(const kfac_bench::model& m, std::int64_t local_batch, kfac::options o, int iterations) {
+    using preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::mpi, Method>;
+    auto buffers = make_buffers(m, local_batch, 1234);
+    kfac::options off = o, on = o;
+    off.overlap_communication = false;
+    on.overlap_communication = true;
+    preconditioner p_off(off, kfac::comm::mpi(MPI_COMM_WORLD)), p_on(on, kfac::comm::mpi(MPI_COMM_WORLD));
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+        p_off.register_layer(m.layers[i].name, buffers[i].view);
+        p_on.register_layer(m.layers[i].name, buffers[i].view);
+    }
+    auto restore = [&] {
+        for (auto& b : buffers) {
+            std::copy(b.saved_weight.begin(), b.saved_weight.end(), b.grad_weight.begin());
+            std::copy(b.saved_bias.begin(), b.saved_bias.end(), b.grad_bias.begin());
+        }
+    };
+    int world = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    std::vector<double> times[2];
+    double waits[2] = {0, 0};
+    for (int it = -1; it < iterations; ++it) {  // it = -1: warm-up, not counted
+        for (int k = 0; k < 2; ++k) {
+            preconditioner& p = k == 0 ? p_off : p_on;
+            restore();
+            const double wait_before = p.comm().counters().broadcast_wait_seconds;
+            MPI_Barrier(MPI_COMM_WORLD);
+            const double t0 = MPI_Wtime();
+            p.step();
+            double mine[2] = {MPI_Wtime() - t0, p.comm().counters().broadcast_wait_seconds - wait_before};
+            double slowest = 0, wait_sum = 0;
+            MPI_Allreduce(&mine[0], &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+            MPI_Allreduce(&mine[1], &wait_sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+            if (it < 0) continue;
+            times[k].push_back(slowest * 1e3);
+            waits[k] += wait_sum / world * 1e3;
+        }
+    }
+    for (auto& t : times) std::sort(t.begin(), t.end());
+    return {times[0][times[0].size() / 2], times[1][times[1].size() / 2], waits[0] / iterations,
+            waits[1] / iterations};
 }
 
 /// What this machine does to W ranks, measured with every rank busy at once (no K-FAC
@@ -227,13 +284,20 @@ int main(int argc, char** argv) {
     std::string model_path, method = "eigen";
     std::int64_t batch = 0;
     int iterations = 3;
+    bool overlap = false;
     if (argc > 1 && std::string(argv[1]) == "--waits") {
         print_waits(world);
         MPI_Finalize();
         return 0;
     }
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const std::string arg = argv[i], value = argv[i + 1];
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        if (arg == "--overlap") {
+            overlap = true;
+            continue;
+        }
+        if (i + 1 >= argc) break;
+        const std::string value = argv[++i];
         if (arg == "--model") model_path = value;
         else if (arg == "--batch") batch = std::stoll(value);
         else if (arg == "--method") method = value;
@@ -241,12 +305,14 @@ int main(int argc, char** argv) {
     }
     int status = 0;
     try {
-        if (model_path.empty()) throw kfac::error("usage: bench_kfac_mpi --model FILE [--batch B] [--method eigen|inverse] [--iterations N]");
+        if (model_path.empty())
+            throw kfac::error("usage: bench_kfac_mpi --model FILE [--batch B] [--method eigen|inverse] [--iterations N] "
+                              "[--overlap]");
         const auto m = kfac_bench::read_model(model_path);
         if (batch == 0) batch = m.batch;
         const std::int64_t local_batch = std::max<std::int64_t>(1, batch / world);
-        const auto machine = calibrate(world);
-        if (rank == 0)
+        const auto machine = overlap ? machine_calibration{} : calibrate(world);
+        if (rank == 0 && !overlap)
             std::printf("{\"calibration\": true, \"world\": %d, \"kernel_ms\": %.4f, \"gemm_ms\": %.4f, "
                         "\"message_s\": %.4e, \"allreduce_bytes_per_s\": %.4e, \"broadcast_bytes_per_s\": %.4e, "
                         "\"empty_step_ms\": %.4f}\n",
@@ -271,6 +337,23 @@ int main(int argc, char** argv) {
             o.grad_worker_fraction = s.fraction;
             o.damping = 0.003;
             const bool eigen = method == "eigen";
+            if (overlap) {
+                // Only the strategies that broadcast second-order data have something to overlap.
+                if (s.kind != kfac::distribution::kaisa || s.fraction == kfac::mem_opt) continue;
+                const overlap_row r = eigen ? measure_overlap<kfac::compute::eigendecomposition>(m, local_batch, o, iterations)
+                                            : measure_overlap<kfac::compute::inverse>(m, local_batch, o, iterations);
+                if (rank == 0)
+                    std::printf("{\"overlap\": true, \"model\": \"%s\", \"world\": %d, \"strategy\": \"%s\", "
+                                "\"method\": \"%s\", \"global_batch\": %lld, \"update_ms_off\": %.3f, "
+                                "\"update_ms_on\": %.3f, \"on_over_off\": %.3f, \"broadcast_wait_ms_off\": %.3f, "
+                                "\"broadcast_wait_ms_on\": %.3f, \"hidden_fraction\": %.3f}\n",
+                                model_path.substr(model_path.find_last_of('/') + 1).c_str(), world, s.name,
+                                method.c_str(), static_cast<long long>(batch), r.off_ms, r.on_ms, r.on_ms / r.off_ms,
+                                r.off_wait_ms, r.on_wait_ms,
+                                r.off_wait_ms > 0 ? 1.0 - r.on_wait_ms / r.off_wait_ms : 0.0);
+                std::fflush(stdout);
+                continue;
+            }
             const double update = eigen ? median_step_ms<kfac::compute::eigendecomposition>(m, local_batch, o, iterations, true)
                                         : median_step_ms<kfac::compute::inverse>(m, local_batch, o, iterations, true);
             const double plain = eigen ? median_step_ms<kfac::compute::eigendecomposition>(m, local_batch, o, iterations, false)

@@ -195,6 +195,12 @@ struct options {
     double allreduce_bucket_cap_mb = 25.0;
     /// Send only the lower triangle, n(n+1)/2 values, of each symmetric factor.
     bool symmetry_aware = false;
+    /// Overlap the broadcasts of second-order data with preconditioning: a rank preconditions
+    /// the layers whose second-order data it already holds while the broadcasts travel, and
+    /// waits for them only before the layers that receive. The same collectives in the same
+    /// order and the same arithmetic either way (the results are bitwise equal); false waits
+    /// for every broadcast first, the schedule before it existed. Ranks may differ in it.
+    bool overlap_communication = true;
 
     // Mixed precision (README, "Precision").
     /// The loss scale s of mixed-precision training (> 0, finite): the host back-propagates

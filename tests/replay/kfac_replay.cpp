@@ -2,7 +2,7 @@
 // kfac_replay: replays a golden case folder through the public API and compares every
 // dumped quantity (see ../shared/golden/README.md).
 //
-//   kfac_replay [CASE_DIR] [--float | --double] [--rtol R]
+//   kfac_replay [CASE_DIR...] [--float | --double] [--rtol R]
 //               [--strategy kaisa|dp-kfac] [--grad-worker-fraction comm_opt|hybrid_opt|mem_opt|F]
 //               [--assignment compute|memory|round_robin] [--colocate on|off]
 //               [--backend cpu|cuda|staged] [--save-after K FILE | --resume FILE]
@@ -20,8 +20,9 @@
 // preconditioner and replays and verifies from its step to the end of the case. Under mpiexec
 // the two may run at different world sizes and strategies.
 //
-// CASE_DIR is one case folder or a folder of case folders; without it, every case discovered
-// in the repository's tests/data/golden and in ../shared/golden (when present) is replayed.
+// CASE_DIR is one case folder or a folder of case folders (several may be given); without one,
+// every case discovered in the repository's tests/data/golden and in ../shared/golden (when
+// present) is replayed.
 //
 // --backend: cpu (cpu_eigen, the default); cuda (backend::cuda, in the kfac_replay_cuda
 // build, which exits 77 when no CUDA device is present); staged (a CPU backend that declares
@@ -32,7 +33,7 @@
 // step's rows; errors are maximised over ranks. Prints, per case, the largest error per
 // quantity and a line
 //   max_rel_err=<value> rtol=<value> world=<W> strategy=<name> PASS|FAIL
-// and, when several cases ran, `cases=<n> failed=<m>`.
+// and, when several cases or configurations ran, `cases=<n> failed=<m>` after each configuration.
 // Exit status: 0 when every case passed, 1 on FAIL, 2 on a usage or input error.
 
 #include <cstdio>
@@ -68,7 +69,7 @@ constexpr int exit_skipped = 77;
 namespace {
 
 const char* usage =
-    "usage: kfac_replay [CASE_DIR | FOLDER_OF_CASES] [--float | --double] [--rtol R]\n"
+    "usage: kfac_replay [CASE_DIR | FOLDER_OF_CASES]... [--float | --double] [--rtol R]\n"
     "         [--strategy kaisa|dp-kfac] [--grad-worker-fraction comm_opt|hybrid_opt|mem_opt|F]\n"
     "         [--assignment compute|memory|round_robin] [--colocate on|off]\n"
     "         [--backend cpu|cuda|staged] [--save-after K FILE | --resume FILE]\n"
@@ -94,7 +95,7 @@ int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, s
                 const kfac_replay::distributed_setup& setup, const std::string& backend, run_context& ctx);
 
 int run(int argc, char** argv, run_context& ctx) {
-    std::string folder;
+    std::vector<std::string> folders;
     auto p = kfac_replay::precision::case_dtype;
     std::optional<double> rtol;
     std::vector<kfac_replay::distributed_setup> setups(1);
@@ -152,21 +153,23 @@ int run(int argc, char** argv, run_context& ctx) {
         } else if (arg == "-h" || arg == "--help") {
             if (ctx.rank == 0) std::cout << usage;
             return 0;
-        } else if (!arg.empty() && arg[0] != '-' && folder.empty() && first) folder = arg;
+        } else if (!arg.empty() && arg[0] != '-' && first) folders.push_back(arg);
         else throw kfac::error("unknown argument '" + arg + "'\n" + usage);
     }
     const kfac_replay::distributed_setup& first = setups.front();
     if ((first.save_after || first.resume_from) && setups.size() > 1)
         throw kfac::error("--save-after and --resume replay one configuration; drop --then");
-    const std::vector<kfac_replay::fs::path> cases =
-        folder.empty() ? kfac_replay::discover_cases_in(kfac_replay::golden_dirs) : kfac_replay::discover_cases(folder);
-    if (cases.empty())
-        throw kfac::error((folder.empty() ? std::string("no golden case found in the default folders")
-                                          : "no case.json in '" + folder + "' or its sub-folders") +
-                          "\n" + usage);
+    std::vector<kfac_replay::fs::path> cases;
+    if (folders.empty()) cases = kfac_replay::discover_cases_in(kfac_replay::golden_dirs);
+    for (const auto& folder : folders) {
+        const auto found = kfac_replay::discover_cases(folder);
+        if (found.empty()) throw kfac::error("no case.json in '" + folder + "' or its sub-folders\n" + usage);
+        cases.insert(cases.end(), found.begin(), found.end());
+    }
+    if (cases.empty()) throw kfac::error(std::string("no golden case found in the default folders\n") + usage);
     if ((first.save_after || first.resume_from) && cases.size() != 1)
-        throw kfac::error("--save-after and --resume take one case folder; '" + folder + "' holds " +
-                          std::to_string(cases.size()) + " cases");
+        throw kfac::error("--save-after and --resume take one case folder; " + std::to_string(cases.size()) +
+                          " cases were given");
     int failed = 0;
     for (const auto& setup : setups) {
         int failed_cases = 0;
@@ -175,7 +178,8 @@ int run(int argc, char** argv, run_context& ctx) {
             if (status == exit_skipped) return status;  // no device: nothing can run
             if (status != 0) ++failed_cases;
         }
-        if (cases.size() > 1 && ctx.rank == 0) std::printf("cases=%zu failed=%d\n", cases.size(), failed_cases);
+        if ((cases.size() > 1 || setups.size() > 1) && ctx.rank == 0)
+            std::printf("cases=%zu failed=%d\n", cases.size(), failed_cases);
         if (failed_cases != 0) ++failed;
     }
     if (setups.size() > 1 && ctx.rank == 0) std::printf("configurations=%zu failed=%d\n", setups.size(), failed);

@@ -141,11 +141,23 @@ public:
         state_->counters.broadcast_bytes += static_cast<std::int64_t>(count * sizeof(T));
     }
 
+    /// Lets the pending broadcasts advance without waiting for them (MPICH moves a message
+    /// only inside an MPI call): called between tasks while they travel.
+    void progress() {
+        if (state_->pending.empty()) return;
+        int done = 0;
+        detail::check_mpi(MPI_Testall(static_cast<int>(state_->pending.size()), state_->pending.data(), &done,
+                                      MPI_STATUSES_IGNORE),
+                          "MPI_Testall");
+    }
+
     void wait() {
         if (state_->pending.empty()) return;
         auto requests = std::move(state_->pending);
         state_->pending.clear();
+        const double start = MPI_Wtime();
         detail::wait_all(requests, "MPI_Ibcast");
+        state_->counters.broadcast_wait_seconds += MPI_Wtime() - start;
     }
 
     /// Every rank learns whether any failed; all get the lowest failing rank's message.

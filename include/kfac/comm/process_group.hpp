@@ -174,7 +174,10 @@ public:
         if (state_->pending.empty()) return;
         auto works = std::move(state_->pending);
         state_->pending.clear();
+        const auto start = std::chrono::steady_clock::now();
         complete(works, "a broadcast");
+        state_->counters.broadcast_wait_seconds +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
 
     /// Every rank learns whether any failed; all get the lowest failing rank's message.

@@ -27,6 +27,10 @@
 ///   const comm_counters& counters() const;
 ///   // Optional: the phase of the step the next data collectives belong to, for errors.
 ///   void phase(const char* name);
+///   // Optional: let pending broadcasts advance without completing them (between tasks that
+///   // overlap them, options.overlap_communication); for transports that move data only
+///   // inside their own calls.
+///   void progress();
 /// ```
 /// Every rank calls the collectives in the same order. Groups of one rank send nothing and
 /// count nothing.
@@ -47,6 +51,9 @@ struct comm_counters {
     std::int64_t broadcast_calls = 0;
     std::int64_t broadcast_bytes = 0;
     std::int64_t control_calls = 0;
+    /// Seconds this rank spent in wait() for its broadcasts to complete: what was not hidden
+    /// behind other work (options.overlap_communication; bench_kfac_mpi --overlap).
+    double broadcast_wait_seconds = 0.0;
 };
 
 /// One buffer of a bucketed allreduce: `count` values, or a `dim` × `dim` symmetric
@@ -60,6 +67,13 @@ struct allreduce_item {
 };
 
 namespace comm {
+
+/// Lets a policy whose collectives move only inside its calls (kfac::comm::mpi) advance the
+/// pending ones between tasks; a policy without progress() needs none (Gloo has its threads).
+template <class CommPolicy>
+void progress(CommPolicy& c) {
+    if constexpr (requires { c.progress(); }) c.progress();
+}
 
 /// Tells a policy that names phases in its errors (kfac::comm::process_group) which phase of
 /// the step its next collectives belong to; a policy without phase() ignores it.

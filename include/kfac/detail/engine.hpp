@@ -138,8 +138,12 @@ public:
     void accumulate();
     /// Running averages of the factors, averaged over ranks.
     void update_factors(const step_plan& plan, step_outcome& outcome);
-    /// Second-order data of the factors this rank owns, shared with the others.
+    /// Second-order data of the factors this rank owns, shared with the others: with
+    /// options.overlap_communication the broadcasts are left travelling (precondition_all()
+    /// or finish_second_order_broadcasts() completes them).
     void update_second_order(const step_plan& plan, step_outcome& outcome);
+    /// Waits for the second-order broadcasts update_second_order() left travelling, if any.
+    void finish_second_order_broadcasts();
     /// Pᵀ of every layer, shared from the gradient workers; unusable layers zeroed.
     void precondition_all(const step_plan& plan, step_outcome& outcome);
     /// ν = min(1, √(κ / |η² Σ_layers ⟨P, Γ⟩|)), 1 without kl_clip or when the sum is 0.
@@ -341,6 +345,9 @@ private:
     /// ⟨P, Γ⟩ per layer from the last batched gradient checks (backend_with_gradient_checks).
     std::vector<double> gradient_dots_;
     double second_order_damping_ = 0.0;  // of the last inverse update (checkpoints record it)
+    /// update_second_order() left its broadcasts travelling (options.overlap_communication):
+    /// precondition_all() waits for them before the first layer that receives.
+    bool second_order_in_flight_ = false;
     health_counters health_{};
     factor_storage<Backend> storage_{};  // options.factor_storage
     eigenbasis_count bases_{};

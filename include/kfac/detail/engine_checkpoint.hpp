@@ -118,6 +118,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::load_from(std::string bytes, co
     // adopt_state() left every layer without second-order data, so no previous
     // eigenvectors are kept: every factor is decomposed exactly.
     update_second_order(plan, outcome);
+    finish_second_order_broadcasts();
     health_.kept_decompositions += outcome.health.kept_decompositions;
 }
 

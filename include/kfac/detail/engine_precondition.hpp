@@ -26,10 +26,14 @@ template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_plan& plan, step_outcome& outcome) {
     comm::announce_phase(comm_, "preconditioning");
     const double damping = plan.damping;
-    std::vector<detail::task> tasks;
+    // With the second-order broadcasts still travelling (options.overlap_communication), the
+    // layers whose data this rank holds go first and the layers that receive after the wait.
+    std::vector<detail::task> tasks, receiving;
     for (auto& l : layers_) {
         if (!l.scratch.active) continue;  // no gradient: nothing to precondition or share
-        tasks.push_back({l.block->precondition_cost(l.host.description), [&l, damping, this] {
+        const bool receives = second_order_in_flight_ && l.role.grad_worker && l.role.share_second_order &&
+                              !(l.role.computes_a && l.role.computes_g);
+        (receives ? receiving : tasks).push_back({l.block->precondition_cost(l.host.description), [&l, damping, this] {
                              in_layer(l, [&] {
                                  l.block->load_gradient(l);
                                  if (!l.role.grad_worker)
@@ -46,7 +50,29 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
                              });
                          }});
     }
-    agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
+    // On one thread, each local task is followed by a chance for the broadcasts to move.
+    if (second_order_in_flight_ && threads_ <= 1 && !receiving.empty())
+        for (auto& t : tasks)
+            t.run = [run = std::move(t.run), this] {
+                run();
+                comm::progress(comm_);
+            };
+    try {
+        agree_on([&] {
+            detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
+            comm::announce_phase(comm_, "preconditioning (the wait for second-order data)");
+            finish_second_order_broadcasts();
+            comm::announce_phase(comm_, "preconditioning");
+            detail::run_tasks<typename Backend::serial_blas_scope>(receiving, threads_);
+        });
+    } catch (...) {
+        // Every rank raises the error; the broadcasts it may have left travelling end first.
+        try {
+            finish_second_order_broadcasts();
+        } catch (...) {  // a transport failing twice: the first error is the one reported
+        }
+        throw;
+    }
     comm::announce_phase(comm_, "preconditioning (the broadcast of preconditioned gradients)");
     for (auto& l : layers_)
         if (l.role.share_gradient && l.scratch.active) {

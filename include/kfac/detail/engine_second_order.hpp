@@ -134,6 +134,14 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
             l.state.has_second = true;
         }
     }
+    second_order_in_flight_ = true;
+    if (!options_.overlap_communication) finish_second_order_broadcasts();
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::finish_second_order_broadcasts() {
+    if (!second_order_in_flight_) return;
+    second_order_in_flight_ = false;
     comm_.wait();
     staging_.complete();
 }
