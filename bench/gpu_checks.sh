@@ -20,14 +20,15 @@
 #   1. the CUDA suite: kfac_cuda_tests (backend calls, whole preconditioners) and
 #      kfac_cuda_kinds_tests (every layer kind against the CPU backend);
 #   2. kfac_replay_cuda on every golden case of tests/data/golden, in double and in float;
-#   3. bench_cuda on ResNet-32, ResNet-50 and the BERT-base-like stack (every kind), float32;
-#   4. bench/side_by_side_gpu.py: kfac-pytorch against bench_cuda on ResNet-50 at batch 32 and
-#      the BERT-base-like stack at 32 × 128;
-#   5. the LibTorch CUDA programs, configured against the Python torch's LibTorch
+#   3. the LibTorch CUDA programs, configured against the Python torch's LibTorch
 #      (torch.utils.cmake_prefix_path) when CMake, Eigen and the torch package are there:
 #      kfac_torch_cuda_tests, the Fashion-MNIST flagship (CNN and ResNet-8) with --device cuda
 #      when its data set is there (DIR/fashion-mnist or KFAC_FASHION_MNIST_DIR), the CNN again
-#      with --precision bf16 and fp16, and the transformer example with --device cuda.
+#      with --precision bf16 and fp16, and the transformer example with --device cuda;
+#   4. bench_cuda on ResNet-32, ResNet-50 and the BERT-base-like stack (every kind), float32;
+#   5. bench/side_by_side_gpu.py: kfac-pytorch against bench_cuda on ResNet-50 at batch 32 and
+#      the BERT-base-like stack at 32 × 128.
+#   Checks of numbers first, timings last: a call cut short by its time limit keeps the former.
 #   (Step 1's kfac_cuda_kinds_tests holds the mixed-precision GPU checks: bf16 device views
 #   against the CPU backend under a loss scale, fp64 decompositions.)
 # Logs and JSON lines go to $OUT when set (the device tool's output folder), else DIR/results.
@@ -98,12 +99,6 @@ run() {
             step "replay_cuda.$(basename "$case_dir").$precision" "$stage/bin/kfac_replay_cuda" "$case_dir" "--$precision"
         done
     done
-    step bench_cuda "$stage/bin/bench_cuda" --model bench/models/resnet32_cifar10.txt --model bench/models/resnet50_imagenet.txt \
-        --model bench/models/bert_base_stack.txt --model bench/models/mobilenet_v1.txt --iterations 10
-    if [ -d "$stage/kfac-pytorch/kfac" ]; then
-        step side_by_side python3 bench/side_by_side_gpu.py --bench-cuda "$stage/bin/bench_cuda" \
-            --kfac-pytorch "$stage/kfac-pytorch" --iterations 10 --json "$out/side_by_side.json"
-    fi
     local torch_prefix
     if torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null) && command -v cmake > /dev/null; then
         step torch_cuda_configure cmake -S . -B build-torch-cuda -DCMAKE_BUILD_TYPE=Release -DKFAC_ENABLE_MPI=OFF \
@@ -131,6 +126,12 @@ run() {
         [ -n "$transformer" ] && step transformer_cuda "$transformer" --device cuda --expect-accuracy 0.9
     else
         echo "=== LibTorch CUDA programs: no Python torch or no CMake here; skipped"
+    fi
+    step bench_cuda "$stage/bin/bench_cuda" --model bench/models/resnet32_cifar10.txt --model bench/models/resnet50_imagenet.txt \
+        --model bench/models/bert_base_stack.txt --model bench/models/mobilenet_v1.txt --iterations 5
+    if [ -d "$stage/kfac-pytorch/kfac" ]; then
+        step side_by_side python3 bench/side_by_side_gpu.py --bench-cuda "$stage/bin/bench_cuda" \
+            --kfac-pytorch "$stage/kfac-pytorch" --iterations 5 --json "$out/side_by_side.json"
     fi
     echo "=== gpu_checks: $failed failed step(s); logs in $out"
     return "$failed"

@@ -153,6 +153,7 @@ public:
             }
             if (!Backend::all_finite(F)) return false;
             factor_data next;  // the blocks are their own decomposition
+            next.lambda.resize(0);  // as prepare_receive shapes it: a default vector is 0 x 0 on backend::cuda
             next.blocks = F;
             out = std::move(next);
             return true;
@@ -190,6 +191,7 @@ public:
         if constexpr (eigen) {
             l.a.q = matrix{};
             l.a.lambda = typename Backend::vector{};
+            l.a.lambda.resize(0);  // 0 x 1, as prepare_receive shapes it, on every backend
             if constexpr (supported) l.a.blocks = Backend::unit_wise_identity(d.g_dim(), d.a_dim());
             l.g.q = Backend::identity(1);
             l.g.lambda = Backend::ones(1);

@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include <ATen/record_function.h>
@@ -48,6 +49,14 @@ std::array<std::int64_t, 2> axes_of(const ::torch::ExpandingArray<D>& a, std::in
     else return {(*a)[0], (*a)[1]};
 }
 
+/// The alternative T of a module option's variant, or null: LibTorch 1.x keeps its own
+/// c10::variant (its get_if found by argument-dependent lookup), LibTorch 2.x uses std::variant.
+template <class T, class Variant>
+const T* alternative_if(const Variant* v) noexcept {
+    using std::get_if;
+    return get_if<T>(v);
+}
+
 /// The description of a torch::nn::Conv2d or Conv1d (D spatial dimensions) from its options.
 template <std::size_t D, class ConvImpl>
 layer_description describe_conv(const std::string& name, const ConvImpl& m) {
@@ -58,10 +67,10 @@ layer_description describe_conv(const std::string& name, const ConvImpl& m) {
     g.stride = axes_of<D>(o.stride(), 1);
     g.dilation = axes_of<D>(o.dilation(), 1);
     g.groups = o.groups();
-    const bool zeros = c10::get_if<::torch::enumtype::kZeros>(&o.padding_mode()) != nullptr;
-    if (const auto* explicit_padding = c10::get_if<::torch::ExpandingArray<D>>(&o.padding())) {
+    const bool zeros = alternative_if<::torch::enumtype::kZeros>(&o.padding_mode()) != nullptr;
+    if (const auto* explicit_padding = alternative_if<::torch::ExpandingArray<D>>(&o.padding())) {
         g.padding = axes_of<D>(*explicit_padding, 0);
-    } else if (c10::get_if<::torch::enumtype::kValid>(&o.padding()) != nullptr) {
+    } else if (alternative_if<::torch::enumtype::kValid>(&o.padding()) != nullptr) {
         g.padding = {0, 0};
     } else {  // kSame: total padding dilation·(kernel − 1) per axis, split left/right
         for (std::size_t i = 0; i < 2; ++i) {
