@@ -478,6 +478,14 @@ inline constexpr bool comm_replays_in_float = true;
 template <>
 inline constexpr bool comm_replays_in_float<kfac::comm::process_group> = false;
 #endif
+/// A backend over a communicator replaying in double only, beyond the two rules above: the CUDA
+/// backend over MPI (kfac_replay_cuda specialises it), whose float replays run in one process
+/// over comm::serial.
+template <template <class> class BackendOf, class Comm>
+inline constexpr bool pair_replays_in_float = true;
+template <template <class> class BackendOf, class Comm>
+inline constexpr bool replays_float = replays_in_float<BackendOf> && comm_replays_in_float<Comm> &&
+                                      pair_replays_in_float<BackendOf, Comm>;
 
 /// Replays a case: compute method from case.json, precision as asked (by default the case's
 /// dtype), tolerance `rtol` or, when absent, the case's, or float_replay_rtol when a
@@ -508,9 +516,11 @@ replay_report replay(const golden_case& c, precision p = precision::case_dtype,
         if (method == "inverse") return with_assignment(scalar_tag, kfac::compute::inverse{});
         throw kfac::error("case.json kfac.compute_method '" + method + "' is neither eigen nor inverse");
     };
-    if constexpr (!replays_in_float<BackendOf> || !comm_replays_in_float<Comm>) {
+    if constexpr (!replays_float<BackendOf, Comm>) {
         if (use_float)
-            throw kfac::error(std::string(replays_in_float<BackendOf> ? "kfac_replay_process_group" : "the staged backend") +
+            throw kfac::error(std::string(!replays_in_float<BackendOf>  ? "the staged backend"
+                                          : !comm_replays_in_float<Comm> ? "kfac_replay_process_group"
+                                                                         : "this backend over several ranks") +
                               " replays in double only: pass --double (a float32 case is replayed in double with the "
                               "case's tolerance)");
         return with_method(double{});

@@ -63,6 +63,13 @@
 #endif
 #include "staged_backend.hpp"
 
+#if KFAC_REPLAY_WITH_CUDA && KFAC_REPLAY_DISTRIBUTED
+// Over several ranks the CUDA backend replays in double only (the np2 tests); its float replays
+// run in one process, over comm::serial.
+template <>
+inline constexpr bool kfac_replay::pair_replays_in_float<kfac::backend::cuda, kfac_test::comm_under_test> = false;
+#endif
+
 /// Exit status that CTest reads as "skipped" (SKIP_RETURN_CODE).
 constexpr int exit_skipped = 77;
 
@@ -214,7 +221,17 @@ int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, s
                              "backend's golden replay needs a GPU\n";
             return exit_skipped;
         }
+#if KFAC_REPLAY_DISTRIBUTED
+        // One process replays over comm::serial (the preconditioners kfac_engines_cuda compiles
+        // once, in both precisions); several ranks over the transport, in double only.
+        if (ctx.world == 1)
+            r = kfac_replay::replay<kfac::comm::serial, kfac::backend::cuda>(c, p, rtol, setup,
+                                                                             [] { return kfac::comm::serial{}; });
+        else
+            r = kfac_replay::replay<comm_type, kfac::backend::cuda>(c, p, rtol, setup, make_comm);
+#else
         r = kfac_replay::replay<comm_type, kfac::backend::cuda>(c, p, rtol, setup, make_comm);
+#endif
 #else
         throw kfac::error("--backend cuda: this kfac_replay was built without CUDA; use kfac_replay_cuda");
 #endif
