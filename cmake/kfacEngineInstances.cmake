@@ -18,6 +18,8 @@
 #                      took kfac_engines_mpi.cpp from 42.6 s to 18.0 s of CPU
 #   kfac_engines_mpi   the same with comm::mpi (when MPI is found), plus kfac_engines
 #   kfac_engines_process_group   the same with comm::process_group (when LibTorch is found)
+#   kfac_engines_cuda  backend::cuda<float|double> x comm::serial x both methods, by nvcc, for
+#                      the CUDA sources of the programs that link it (kfac_add_cuda_engines)
 #
 # Only for programs built with the same definitions and target flags as the library they link
 # (a program compiled with other BLAS or Eigen settings, as kfac_traces_fixed and the Prescott
