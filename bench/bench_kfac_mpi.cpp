@@ -84,6 +84,14 @@ std::vector<layer_buffers> make_buffers(const kfac_bench::model& m, std::int64_t
     return out;
 }
 
+/// The gradients as make_buffers left them: every step starts from the same ones.
+void restore_gradients(std::vector<layer_buffers>& buffers) {
+    for (auto& b : buffers) {
+        std::copy(b.saved_weight.begin(), b.saved_weight.end(), b.grad_weight.begin());
+        std::copy(b.saved_bias.begin(), b.saved_bias.end(), b.grad_bias.begin());
+    }
+}
+
 template <class Method>
 double median_step_ms(const kfac_bench::model& m, std::int64_t local_batch, kfac::options o, int iterations,
                       bool update) {
@@ -91,17 +99,11 @@ double median_step_ms(const kfac_bench::model& m, std::int64_t local_batch, kfac
     if (!update) o.factor_update_steps = o.inv_update_steps = std::int64_t{1000000};
     kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::mpi, Method> p(o, kfac::comm::mpi(MPI_COMM_WORLD));
     for (std::size_t i = 0; i < buffers.size(); ++i) p.register_layer(m.layers[i].name, buffers[i].view);
-    auto restore = [&] {
-        for (auto& b : buffers) {
-            std::copy(b.saved_weight.begin(), b.saved_weight.end(), b.grad_weight.begin());
-            std::copy(b.saved_bias.begin(), b.saved_bias.end(), b.grad_bias.begin());
-        }
-    };
-    restore();
+    restore_gradients(buffers);
     p.step();  // warm-up: allocations, first decompositions
     std::vector<double> times;
     for (int it = 0; it < iterations; ++it) {
-        restore();
+        restore_gradients(buffers);
         MPI_Barrier(MPI_COMM_WORLD);
         const double t0 = MPI_Wtime();
         p.step();
@@ -134,12 +136,6 @@ overlap_row measure_overlap(const kfac_bench::model& m, std::int64_t local_batch
         p_off.register_layer(m.layers[i].name, buffers[i].view);
         p_on.register_layer(m.layers[i].name, buffers[i].view);
     }
-    auto restore = [&] {
-        for (auto& b : buffers) {
-            std::copy(b.saved_weight.begin(), b.saved_weight.end(), b.grad_weight.begin());
-            std::copy(b.saved_bias.begin(), b.saved_bias.end(), b.grad_bias.begin());
-        }
-    };
     int world = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     std::vector<double> times[2];
@@ -147,7 +143,7 @@ overlap_row measure_overlap(const kfac_bench::model& m, std::int64_t local_batch
     for (int it = -1; it < iterations; ++it) {  // it = -1: warm-up, not counted
         for (int k = 0; k < 2; ++k) {
             preconditioner& p = k == 0 ? p_off : p_on;
-            restore();
+            restore_gradients(buffers);
             const double wait_before = p.comm().counters().broadcast_wait_seconds;
             MPI_Barrier(MPI_COMM_WORLD);
             const double t0 = MPI_Wtime();

@@ -221,7 +221,6 @@ int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, s
                              "backend's golden replay needs a GPU\n";
             return exit_skipped;
         }
-#if KFAC_REPLAY_DISTRIBUTED
         // One process replays over comm::serial (the preconditioners kfac_engines_cuda compiles
         // once, in both precisions); several ranks over the transport, in double only.
         if (ctx.world == 1)
@@ -229,9 +228,6 @@ int replay_case(const kfac_replay::fs::path& folder, kfac_replay::precision p, s
                                                                              [] { return kfac::comm::serial{}; });
         else
             r = kfac_replay::replay<comm_type, kfac::backend::cuda>(c, p, rtol, setup, make_comm);
-#else
-        r = kfac_replay::replay<comm_type, kfac::backend::cuda>(c, p, rtol, setup, make_comm);
-#endif
 #else
         throw kfac::error("--backend cuda: this kfac_replay was built without CUDA; use kfac_replay_cuda");
 #endif
