@@ -2,8 +2,10 @@
 # checks what it printed and wrote (cmake -P; used by CTest):
 #   -DPROGRAM=path -DOUT=prefix -DARGS="--model cnn ..." -DOPTIMIZERS="sgd kfac" -DEPOCHS=N
 #   [-DLAUNCH="mpiexec -n 2"] [-DREFERENCE=path/to/kfac_fashion_mnist -DTOLERANCE=0.0200]
-#   [-DREFERENCE_OUTPUT=file] [-DSAVE_OUTPUT=file] [-DRESUME=1]
+#   [-DREFERENCE_OUTPUT=file] [-DSAVE_OUTPUT=file] [-DRESUME=1] [-DEXPECT_LR="0.1 0.1 0.3"]
 # * every optimizer prints one well-formed summary line and has one CSV row per epoch 0..N;
+# * EXPECT_LR: every optimizer's CSV gives these learning rates (as printed, %.6g) at epochs
+#   0..N (the rate of each epoch's first step);
 # * SAVE_OUTPUT: what the run printed is written to that file (for REFERENCE_OUTPUT);
 # * REFERENCE: the single-process program is run with the same arguments and every
 #   optimizer's final accuracy must be within TOLERANCE (4 decimals) of its single-process one;
@@ -102,6 +104,21 @@ foreach(optimizer IN LISTS OPTIMIZERS)
     endif()
   endforeach()
 endforeach()
+
+if(DEFINED EXPECT_LR)
+  separate_arguments(EXPECT_LR UNIX_COMMAND "${EXPECT_LR}")
+  foreach(optimizer IN LISTS OPTIMIZERS)
+    set(epoch 0)
+    foreach(lr IN LISTS EXPECT_LR)
+      string(REPLACE "." "\\." lr_pattern "${lr}")
+      if(NOT lines MATCHES "(^|;)${optimizer},[a-z]+,[0-9]+,${epoch},${lr_pattern},")
+        message(FATAL_ERROR "${OUT}.csv: ${optimizer}'s learning rate at epoch ${epoch} is not ${lr}")
+      endif()
+      math(EXPR epoch "${epoch} + 1")
+    endforeach()
+  endforeach()
+  message("learning rates at epochs 0..${EPOCHS}: ${EXPECT_LR}, as expected")
+endif()
 
 if(DEFINED REFERENCE)
   if(DEFINED REFERENCE_OUTPUT)
