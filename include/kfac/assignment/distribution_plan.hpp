@@ -38,6 +38,12 @@ struct rank_role {
     int a_root = 0, g_root = 0;       ///< the A and G workers' ranks within the column group
     bool share_gradient = false;      ///< takes part in broadcasting the preconditioned gradient
     int grad_root = 0;                ///< the broadcasting rank within the gradient group
+
+    /// Gets some of its second-order data from another rank of its column (a sharing gradient
+    /// worker that does not compute both factors itself): it waits for those broadcasts.
+    [[nodiscard]] bool receives_second_order() const noexcept {
+        return share_second_order && !(computes_a && computes_g);
+    }
 };
 
 /// Where one layer's work runs, over all ranks (ascending rank lists).

@@ -190,7 +190,6 @@ public:
         const double damping = eigen ? t.product : t.a;
         if constexpr (eigen) {
             l.a.q = matrix{};
-            l.a.lambda = typename Backend::vector{};
             l.a.lambda.resize(0);  // 0 x 1, as prepare_receive shapes it, on every backend
             if constexpr (supported) l.a.blocks = Backend::unit_wise_identity(d.g_dim(), d.a_dim());
             l.g.q = Backend::identity(1);

@@ -31,8 +31,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
     std::vector<detail::task> tasks, receiving;
     for (auto& l : layers_) {
         if (!l.scratch.active) continue;  // no gradient: nothing to precondition or share
-        const bool receives = second_order_in_flight_ && l.role.grad_worker && l.role.share_second_order &&
-                              !(l.role.computes_a && l.role.computes_g);
+        const bool receives = second_order_in_flight_ && l.role.receives_second_order();
         (receives ? receiving : tasks).push_back({l.block->precondition_cost(l.host.description), [&l, damping, this] {
                              in_layer(l, [&] {
                                  l.block->load_gradient(l);
