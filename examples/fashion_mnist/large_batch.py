@@ -27,13 +27,14 @@ step and its eigendecompositions every round(100 / k) steps, as many per epoch a
 """
 
 import argparse
-import csv
 import math
 import os
 import shlex
-import subprocess
 import sys
 from collections import defaultdict
+
+sys.dont_write_bytecode = True  # no __pycache__ beside the sources
+from study import first_reaching, option_args, read_rows, run_recorded, score  # noqa: E402  (this folder)
 
 EPOCHS = {1024: 10, 4096: 20}  # ~590 and ~300 steps; batch 128 trains 5 epochs, 2,345 steps
 
@@ -68,50 +69,12 @@ def point_name(optimizer, params, seed):
 
 def run_point(binary, out_dir, optimizer, params, seed, threads, launch):
     name = point_name(optimizer, params, seed)
-    path = os.path.join(out_dir, name + ".csv")
-    if os.path.exists(path):
-        return path
+    part = os.path.join(out_dir, name + ".csv.part")
     cmd = shlex.split(launch) + [binary, "--optimizer", optimizer, "--seed", str(seed), "--threads", str(threads),
-                                 "--epochs", str(epochs_of(params["batch"])), "--csv", path + ".part",
-                                 "--curvature-csv", os.path.join(out_dir, name + "_curvature.csv"), "--no-plot"]
-    for key, value in params.items():
-        cmd += [f"--{key}", str(value)]
-    print("+", " ".join(cmd), flush=True)
-    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with open(os.path.join(out_dir, name + ".log"), "w") as log:
-        log.write(result.stdout)
-    for line in result.stdout.splitlines():
-        if line.startswith("summary"):
-            print("  " + line, flush=True)
-    if result.returncode != 0 or not os.path.exists(path + ".part"):
-        # A run that failed (diverged to a non-finite loss, say) counts as chance accuracy.
-        print(f"  exit status {result.returncode}: recorded as diverged", flush=True)
-        with open(path, "w") as f:
-            f.write("optimizer,model,seed,epoch,lr,train_loss,test_loss,test_accuracy,seconds\n")
-            f.write(f"{optimizer},cnn,{seed},-1,0,nan,nan,0.1,0\n")
-        return path
-    os.replace(path + ".part", path)
-    return path
-
-
-def read_rows(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def first_reaching(rows, target):
-    for row in rows:
-        if int(row["epoch"]) > 0 and float(row["test_accuracy"]) >= target:
-            return int(row["epoch"]), float(row["seconds"])
-    return None
-
-
-def score(rows):
-    """(epochs to 90 %, -final accuracy): a run that never gets there counts one epoch past its
-    end; a diverged one (epoch -1) as never."""
-    hit = first_reaching(rows, 0.90)
-    last = int(rows[-1]["epoch"])
-    return (hit[0] if hit else last + 1 if last >= 0 else math.inf, -float(rows[-1]["test_accuracy"]))
+                                 "--epochs", str(epochs_of(params["batch"])), "--csv", part,
+                                 "--curvature-csv", os.path.join(out_dir, name + "_curvature.csv"),
+                                 "--no-plot"] + option_args(params)
+    return run_recorded(cmd, out_dir, name, optimizer, "cnn", seed)
 
 
 def best_point(grid_dir, optimizer, batch):
@@ -122,7 +85,9 @@ def best_point(grid_dir, optimizer, batch):
                  if f.startswith(prefix) and f.endswith(".csv") and not f.endswith("_curvature.csv")]
         if files:
             scores = [score(read_rows(os.path.join(grid_dir, f))) for f in files]
-            ranked.append((tuple(sum(s[i] for s in scores) / len(scores) for i in (0, 1)), params))
+            # the fewest epochs to 90 % on average, then the highest mean final accuracy
+            ranked.append(((sum(s[0] for s in scores) / len(scores), -sum(s[1] for s in scores) / len(scores)),
+                           params))
     if not ranked:
         sys.exit(f"large_batch.py: no grid runs of {optimizer} at batch {batch} in {grid_dir}")
     return min(ranked, key=lambda r: r[0])[1]

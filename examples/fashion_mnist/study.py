@@ -57,16 +57,21 @@ def point_name(model, optimizer, params, seed):
     return f"{model}_{optimizer}_{text}_seed{seed}" if text else f"{model}_{optimizer}_seed{seed}"
 
 
-def run_point(binary, out_dir, model, optimizer, params, seed, threads, epochs):
-    name = point_name(model, optimizer, params, seed)
+def option_args(params):
+    """The program's options for a grid point: --key value, or --key alone for a flag (True)."""
+    args = []
+    for key, value in params.items():
+        args += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return args
+
+
+def run_recorded(cmd, out_dir, name, optimizer, model, seed):
+    """Runs `cmd`, which writes OUT_DIR/NAME.csv.part, unless NAME.csv is there already (so an
+    interrupted grid continues); keeps what it printed in NAME.log and prints its summary lines.
+    A run that fails counts as diverged: chance accuracy. Returns the CSV's path."""
     path = os.path.join(out_dir, name + ".csv")
     if os.path.exists(path):
         return path
-    cmd = [binary, "--model", model, "--optimizer", "kfac" if optimizer.startswith("kfac") else "sgd",
-           "--seed", str(seed), "--threads", str(threads), "--epochs", str(epochs), "--csv", path + ".part",
-           "--curvature-csv", os.path.join(out_dir, name + "_curvature.csv"), "--no-plot"]
-    for key, value in params.items():
-        cmd += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     print("+", " ".join(cmd), flush=True)
     result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with open(os.path.join(out_dir, name + ".log"), "w") as log:
@@ -85,6 +90,15 @@ def run_point(binary, out_dir, model, optimizer, params, seed, threads, epochs):
     return path
 
 
+def run_point(binary, out_dir, model, optimizer, params, seed, threads, epochs):
+    name = point_name(model, optimizer, params, seed)
+    part = os.path.join(out_dir, name + ".csv.part")
+    cmd = [binary, "--model", model, "--optimizer", "kfac" if optimizer.startswith("kfac") else "sgd",
+           "--seed", str(seed), "--threads", str(threads), "--epochs", str(epochs), "--csv", part,
+           "--curvature-csv", os.path.join(out_dir, name + "_curvature.csv"), "--no-plot"] + option_args(params)
+    return run_recorded(cmd, out_dir, name, optimizer, model, seed)
+
+
 def read_rows(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -98,6 +112,15 @@ def cmd_grid(args):
                 run_point(args.binary, args.out, args.model, optimizer, params, seed, args.threads, args.epochs)
 
 
+def score(rows):
+    """A run's (epoch at which test accuracy first reached 90 %, final accuracy): a run that
+    never gets there counts one epoch past its end, a diverged one (epoch -1, run_recorded's
+    marker) as never."""
+    hit = first_reaching(rows, 0.90)
+    last = int(rows[-1]["epoch"])
+    return hit[0] if hit else last + 1 if last >= 0 else float("inf"), float(rows[-1]["test_accuracy"])
+
+
 def cmd_best(args):
     """Best first: the fewest epochs to 90 % test accuracy on average (a seed that never gets
     there counts as one epoch past the run), then the highest final accuracy."""
@@ -107,11 +130,7 @@ def cmd_best(args):
             continue
         name = os.path.basename(path)[:-4]
         point = name.rsplit("_seed", 1)[0]
-        rows = read_rows(path)
-        hit = first_reaching(rows, 0.90)
-        last = int(rows[-1]["epoch"])  # -1: diverged (run_point's marker)
-        scores[point].append((hit[0] if hit else last + 1 if last >= 0 else float("inf"),
-                              float(rows[-1]["test_accuracy"])))
+        scores[point].append(score(read_rows(path)))
     by_group = defaultdict(list)
     for point, runs in scores.items():
         model, optimizer = point.split("_")[:2]
