@@ -13,3 +13,11 @@ if(NOT Torch_FOUND)
     endif()
   endif()
 endif()
+# A CUDA LibTorch's package (a PyPI wheel's) makes the CUDA standard required
+# (CMAKE_CUDA_STANDARD_REQUIRED); CMake before 3.26 knows no nvcc flag for C++20, so every CUDA
+# target that links kfac (cxx_std_20) would fail to generate. kfac's CUDA targets pass
+# -std=c++20 themselves.
+if(Torch_FOUND)
+  unset(CMAKE_CUDA_STANDARD)
+  unset(CMAKE_CUDA_STANDARD_REQUIRED)
+endif()

@@ -9,8 +9,29 @@
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 namespace mixed_precision {
+
+// LibTorch 2.4 names the device in its autocast switches and deprecates the per-device ones
+// of 1.13 (Debian's), which have no replacement there.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+inline void set_autocast(bool cuda, bool enabled, at::ScalarType type = at::kFloat) {
+    const auto device = cuda ? at::kCUDA : at::kCPU;
+    if (enabled) at::autocast::set_autocast_dtype(device, type);
+    at::autocast::set_autocast_enabled(device, enabled);
+}
+#else
+inline void set_autocast(bool cuda, bool enabled, at::ScalarType type = at::kFloat) {
+    if (cuda) {
+        if (enabled) at::autocast::set_autocast_gpu_dtype(type);
+        at::autocast::set_enabled(enabled);
+    } else {
+        if (enabled) at::autocast::set_autocast_cpu_dtype(type);
+        at::autocast::set_cpu_enabled(enabled);
+    }
+}
+#endif
 
 /// Autocast on for its lifetime (LibTorch 1.13's C++ switches, which have no scope guard).
 class autocast_scope {
@@ -19,19 +40,12 @@ public:
         if (precision == "fp32") return;
         const auto type = precision == "bf16" ? at::kBFloat16 : at::kHalf;
         cuda_ = device == "cuda";
-        if (cuda_) {
-            at::autocast::set_autocast_gpu_dtype(type);
-            at::autocast::set_enabled(true);
-        } else {
-            at::autocast::set_autocast_cpu_dtype(type);
-            at::autocast::set_cpu_enabled(true);
-        }
+        set_autocast(cuda_, true, type);
         on_ = true;
     }
     ~autocast_scope() {
         if (!on_) return;
-        if (cuda_) at::autocast::set_enabled(false);
-        else at::autocast::set_cpu_enabled(false);
+        set_autocast(cuda_, false);
         at::autocast::clear_cache();  // the casts of the weights made for this pass
     }
     autocast_scope(const autocast_scope&) = delete;

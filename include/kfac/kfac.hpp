@@ -1,14 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file kfac.hpp
-/// Umbrella header: the core, the CPU backend, the single-process comm policy, both compute
-/// methods, the assignment strategies and the plain view adapter. Never includes MPI or CUDA
+/// Umbrella header: the core, the CPU backend, the single-process comm policy, comm::any (any
+/// policy behind a virtual interface), both compute methods, the assignment strategies and
+/// the plain view adapter. Never includes MPI or CUDA
 /// (kfac/comm/mpi.hpp, kfac/backend/cuda.cuh) nor xtensor (kfac/layers/xtensor_layer.hpp).
 
 #include "kfac/assignment/greedy.hpp"
 #include "kfac/assignment/strategies.hpp"
 #include "kfac/backend/blas_kernels.hpp"
 #include "kfac/backend/cpu_eigen.hpp"
+#include "kfac/comm/any.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/compute/eigendecomposition.hpp"
 #include "kfac/compute/inverse.hpp"

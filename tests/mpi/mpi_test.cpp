@@ -543,6 +543,22 @@ TEST_CASE("a rank that never joins a step is a timeout error naming the rank and
                                     !Contains("frame #"));  // LibTorch's backtrace left out
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(60));
 }
+
+// A world of one only: a policy with CUDA payloads runs its control collectives (the
+// agreement on this very error) on CUDA tensors, which this machine may not have; alone, the
+// agreement sends nothing.
+TEST_CASE("a process group with CUDA payloads is refused by a host backend", "[process_group][payloads]") {
+    if (world_size() != 1) return;
+    auto& w = kfac_test::detail::the_world();
+    kfac::comm::process_group comm(w.pg, w.store, kfac::comm::gloo_groups(w.options), kfac_test::detail::test_timeout(),
+                                   c10::Device(c10::kCUDA, 0));
+    CHECK(comm.reads_device_memory());
+    CHECK_THROWS_WITH(mpi_kfac<>(kfac::options{}, std::move(comm)),
+                      Contains("reads device memory") && Contains("use the CUDA backend"));
+    kfac::comm::process_group on_host(w.pg, w.store, kfac::comm::gloo_groups(w.options),
+                                      kfac_test::detail::test_timeout(), c10::Device(c10::kCPU));
+    CHECK_FALSE(on_host.reads_device_memory());  // CPU tensors are host memory
+}
 #endif
 
 TEST_CASE("checkpoints: one file from every strategy, and failures raised on every rank", "[mpi][checkpoint]") {

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "support/catch_session.hpp"
@@ -81,9 +82,14 @@ inline void finalize_world() {
     w.pg.reset();
     w.store.reset();
 }
+/// KFAC_TEST_PAYLOADS=tensors: payloads travel as tensors packed with ATen operations (the path
+/// device payloads take over NCCL), here on the CPU's memory, instead of through host buckets.
 inline comm_under_test make_comm() {
     auto& w = detail::the_world();
-    return comm_under_test(w.pg, w.store, kfac::comm::gloo_groups(w.options), detail::test_timeout());
+    const char* payloads = std::getenv("KFAC_TEST_PAYLOADS");
+    std::optional<c10::Device> device;
+    if (payloads && std::string(payloads) == "tensors") device = c10::Device(c10::kCPU);
+    return comm_under_test(w.pg, w.store, kfac::comm::gloo_groups(w.options), detail::test_timeout(), device);
 }
 inline int world_rank() { return detail::the_world().pg->getRank(); }
 inline int world_size() { return detail::the_world().pg->getSize(); }

@@ -11,10 +11,12 @@ namespace kfac_test {
 
 namespace {
 
+template <class Comm>
 class gpu_kfac final : public gpu_preconditioner {
 public:
-    gpu_kfac(const kfac::options& opts, std::vector<std::pair<std::string, kfac::any_layer<float>>>& layers)
-        : precond_(opts) {
+    gpu_kfac(const kfac::options& opts, std::vector<std::pair<std::string, kfac::any_layer<float>>>& layers,
+             Comm comm = Comm())
+        : precond_(opts, std::move(comm)) {
         std::vector<std::pair<std::string, kfac::any_layer<float>*>> list;
         for (auto& [name, layer] : layers) list.emplace_back(name, &layer);
         precond_.register_layers(list);
@@ -23,7 +25,7 @@ public:
     [[nodiscard]] std::int64_t steps() const override { return precond_.steps(); }
 
 private:
-    kfac::KFAC<kfac::backend::cuda<float>> precond_;
+    kfac::KFAC<kfac::backend::cuda<float>, Comm> precond_;
 };
 
 }  // namespace
@@ -35,7 +37,13 @@ bool cuda_device_present() {
 
 std::unique_ptr<gpu_preconditioner> make_gpu_preconditioner(
     const kfac::options& opts, std::vector<std::pair<std::string, kfac::any_layer<float>>>& layers) {
-    return std::make_unique<gpu_kfac>(opts, layers);
+    return std::make_unique<gpu_kfac<kfac::comm::serial>>(opts, layers);
+}
+
+std::unique_ptr<gpu_preconditioner> make_gpu_preconditioner(
+    const kfac::options& opts, std::vector<std::pair<std::string, kfac::any_layer<float>>>& layers,
+    kfac::comm::any comm) {
+    return std::make_unique<gpu_kfac<kfac::comm::any>>(opts, layers, std::move(comm));
 }
 
 }  // namespace kfac_test

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include <kfac/comm/any.hpp>
 #include <kfac/kfac.hpp>
 
 namespace kfac_test {
@@ -26,5 +27,11 @@ bool cuda_device_present();
 
 std::unique_ptr<gpu_preconditioner> make_gpu_preconditioner(
     const kfac::options& opts, std::vector<std::pair<std::string, kfac::any_layer<float>>>& layers);
+
+/// The same over `comm` (a KFAC<backend::cuda<float>, kfac::comm::any>): a transport the CUDA
+/// translation unit cannot see, such as a process group over NCCL.
+std::unique_ptr<gpu_preconditioner> make_gpu_preconditioner(
+    const kfac::options& opts, std::vector<std::pair<std::string, kfac::any_layer<float>>>& layers,
+    kfac::comm::any comm);
 
 }  // namespace kfac_test

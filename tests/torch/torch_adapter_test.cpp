@@ -21,6 +21,8 @@
 
 #include <ATen/autocast_mode.h>
 
+#include "common/mixed_precision.hpp"
+
 #include "trace_models.hpp"
 
 namespace F = torch::nn::functional;
@@ -509,9 +511,10 @@ TEST_CASE("a module not called in a step keeps its factors and, without a gradie
     const auto branch_a = factor_values(precond, "branch");
     const auto trunk_a = factor_values(precond, "trunk");
 
-    // Step 1: the branch is not taken; its gradient is zero (zero_grad keeps the buffers).
-    trunk->zero_grad();
-    branch->zero_grad();
+    // Step 1: the branch is not taken; its gradient is zero (zero_grad keeping the buffers,
+    // LibTorch 1.13's default and not LibTorch 2's).
+    trunk->zero_grad(/*set_to_none=*/false);
+    branch->zero_grad(/*set_to_none=*/false);
     loss(false).backward();
     precond.step();
     CHECK(factor_values(precond, "branch") == branch_a);  // no data, no decay
@@ -1287,11 +1290,11 @@ TEST_CASE("a model under CPU autocast registers and trains", "[torch][precision]
     precond.register_layer("fc", tracker.track("fc", fc));
     const auto x = torch::randn({4, 2, 4, 4});
     {
-        // LibTorch 1.13's CPU autocast: matmul and convolutions in bf16, their outputs bf16.
-        at::autocast::set_cpu_enabled(true);
-        at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+        // CPU autocast: matmul and convolutions in bf16, their outputs bf16 (the switch of the
+        // LibTorch at hand, examples/common/mixed_precision.hpp).
+        mixed_precision::set_autocast(false, true, at::kBFloat16);
         const auto y = fc(torch::relu(bn(conv(x))).flatten(1));
-        at::autocast::set_cpu_enabled(false);
+        mixed_precision::set_autocast(false, false);
         at::autocast::clear_cache();
         CHECK(y.scalar_type() == torch::kBFloat16);
         y.to(torch::kFloat).square().sum().backward();

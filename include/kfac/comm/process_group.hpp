@@ -18,9 +18,19 @@
 /// phase of the step it belonged to. The ranks still running reach the same error in the same
 /// phase when their own wait runs out.
 ///
-/// Payloads are host memory here: a device backend's data goes through kfac's host staging
-/// (kfac/detail/host_staging.hpp), as with a MPI that is not CUDA-aware.
+/// Payloads are host memory by default: a device backend's data goes through kfac's host
+/// staging (kfac/detail/host_staging.hpp), as with a MPI that is not CUDA-aware. Given a
+/// `payload_device`, payloads are that device's memory and travel as its tensors
+/// (kfac/comm/process_group_payloads.hpp): ProcessGroupNCCL with kfac's CUDA backend
+/// (kfac/comm/process_group_nccl.hpp), which then stages nothing. Control values (agreement,
+/// digests, votes) go through that device too, as NCCL takes device tensors only.
+///
+/// LibTorch 2 splits a process group from its backends: ProcessGroupGloo and ProcessGroupNCCL
+/// are c10d::Backend there, and c10d::ProcessGroup in LibTorch 1.13. The policy calls the
+/// collectives of `c10d_collectives`, whichever that is, and takes a LibTorch 2
+/// c10d::ProcessGroup too (its backend for the payloads' device).
 
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -38,43 +48,34 @@
 #include <vector>
 
 #include "kfac/comm/buckets.hpp"
+#include "kfac/comm/process_group_payloads.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/config.hpp"
 
 namespace kfac::comm {
 
+namespace detail {
+/// LibTorch 2: a c10d::ProcessGroup holds one c10d::Backend per device type.
+template <class ProcessGroup>
+concept holds_backends = requires(ProcessGroup& pg) { pg.getBackend(c10::DeviceType::CPU); };
+}  // namespace detail
+
+/// What the policy runs collectives on: c10d::Backend in LibTorch 2 (ProcessGroupGloo and
+/// ProcessGroupNCCL derive from it), c10d::ProcessGroup in LibTorch 1.13 (they derive from it).
+using c10d_collectives = std::conditional_t<detail::holds_backends<::c10d::ProcessGroup>, ::c10d::Backend,
+                                            ::c10d::ProcessGroup>;
+
 /// Builds the process group of `size` ranks in which this rank is `rank`, over `store` (a
 /// prefix store that only the group's members use).
-using group_factory = std::function<c10::intrusive_ptr<::c10d::ProcessGroup>(
+using group_factory = std::function<c10::intrusive_ptr<c10d_collectives>(
     const c10::intrusive_ptr<::c10d::Store>& store, int rank, int size)>;
-
-namespace detail {
-
-template <class T>
-at::ScalarType torch_dtype() {
-    if constexpr (std::is_same_v<T, float>) return at::kFloat;
-    else if constexpr (std::is_same_v<T, double>) return at::kDouble;
-    else if constexpr (std::is_same_v<T, std::int64_t>) return at::kLong;
-    else if constexpr (std::is_same_v<T, std::int32_t>) return at::kInt;
-    else if constexpr (std::is_same_v<T, char>) return at::kByte;
-    else static_assert(std::is_same_v<T, float>, "kfac::comm::process_group: unsupported payload type");
-}
-
-/// A one-dimensional tensor over `count` values at `data`, which it does not own.
-template <class T>
-at::Tensor host_tensor(T* data, std::size_t count) {
-    return at::from_blob(static_cast<void*>(data), {static_cast<std::int64_t>(count)},
-                         at::TensorOptions().dtype(torch_dtype<T>()));
-}
-
-}  // namespace detail
 
 /// c10d transport. Move-only; copies of the caller's process group and store are shared.
 class process_group {
 public:
     /// A group of ranks: its process group (none for a group of one rank).
     struct group {
-        c10::intrusive_ptr<::c10d::ProcessGroup> pg;
+        c10::intrusive_ptr<c10d_collectives> pg;
         int size = 1;
     };
 
@@ -82,8 +83,11 @@ public:
     /// @param store the store it was built over; KAISA's groups rendezvous through it
     /// @param make_group builds those groups (kfac::comm::gloo_groups for Gloo)
     /// @param timeout the longest any collective may take before it is an error
-    process_group(c10::intrusive_ptr<::c10d::ProcessGroup> world, c10::intrusive_ptr<::c10d::Store> store,
-                  group_factory make_group, std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
+    /// @param payload_device none: payloads are host memory; a device: they are that device's
+    ///        memory (kfac's CUDA backend over NCCL: c10::Device(c10::kCUDA, index))
+    process_group(c10::intrusive_ptr<c10d_collectives> world, c10::intrusive_ptr<::c10d::Store> store,
+                  group_factory make_group, std::chrono::milliseconds timeout = std::chrono::minutes(5),
+                  std::optional<c10::Device> payload_device = std::nullopt) {
         if (!world) throw error("kfac::comm::process_group: the process group is null");
         if (!store) throw error("kfac::comm::process_group: the store is null; pass the store the process group "
                                 "was built over (KAISA's groups of some ranks rendezvous through it)");
@@ -98,6 +102,22 @@ public:
         state_->store = std::move(store);
         state_->make_group = std::move(make_group);
         state_->timeout = timeout;
+        if (payload_device) state_->device_payloads.emplace(*payload_device);
+    }
+
+    /// LibTorch 2: over `world`'s backend for the payloads' device type (the CPU's when none).
+    template <class ProcessGroup>
+        requires(detail::holds_backends<ProcessGroup> && std::is_base_of_v<::c10d::ProcessGroup, ProcessGroup>)
+    process_group(c10::intrusive_ptr<ProcessGroup> world, c10::intrusive_ptr<::c10d::Store> store,
+                  group_factory make_group, std::chrono::milliseconds timeout = std::chrono::minutes(5),
+                  std::optional<c10::Device> payload_device = std::nullopt)
+        : process_group(backend_of(world, payload_device), std::move(store), std::move(make_group), timeout,
+                        payload_device) {}
+
+    /// Whether payloads are a device's memory, not the host's (then a device backend hands its
+    /// buffers over without staging them).
+    [[nodiscard]] bool reads_device_memory() const noexcept {
+        return state_->device_payloads && !state_->device_payloads->device().is_cpu();
     }
 
     [[nodiscard]] int rank() const noexcept { return state_->rank; }
@@ -119,7 +139,7 @@ public:
             ++group_size;
         }
         const int split_index = state_->splits++;
-        if (group_size == 1) return {c10::intrusive_ptr<::c10d::ProcessGroup>(), 1};
+        if (group_size == 1) return {c10::intrusive_ptr<c10d_collectives>(), 1};
         if (group_size == size()) return state_->world;  // every rank, in the same order
         if (state_->id < 0) {
             // A number no other policy over this store has: rank 0 draws it from the store and
@@ -143,8 +163,9 @@ public:
     void allreduce_sum(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes, bool pack_symmetric,
                        const group& g) {
         if (g.size <= 1 || items.empty()) return;
-        auto& buffer = bucket_storage<T>(g.pg.get());
         const std::vector<detail::bucket> buckets = detail::plan_buckets(items, cap_bytes, pack_symmetric);
+        if (state_->device_payloads) return allreduce_on_device(items, buckets, pack_symmetric, g);
+        auto& buffer = bucket_storage<T>(g.pg.get());
         buffer.resize(detail::total_count(buckets));
         std::vector<c10::intrusive_ptr<::c10d::Work>> works;
         // Each bucket starts as soon as it is packed and travels while the next is packed.
@@ -162,9 +183,26 @@ public:
     template <class T>
     void broadcast(T* data, std::size_t count, int root, const group& g) {
         if (g.size <= 1 || count == 0) return;
-        std::vector<at::Tensor> tensors{detail::host_tensor(data, count)};
+        std::vector<at::Tensor> tensors{payload_tensor(data, count)};
         ::c10d::BroadcastOptions o;
         o.rootRank = root;
+        const auto stream = on_payload_stream();
+        state_->pending.push_back(start("a broadcast", [&] { return g.pg->broadcast(tensors, o); }));
+        ++state_->counters.broadcast_calls;
+        state_->counters.broadcast_bytes += static_cast<std::int64_t>(count * sizeof(T));
+    }
+
+    /// A broadcast of values in host memory whatever the payloads' memory (checkpoints): through
+    /// a copy on the payloads' device when that is not the host, copied back at wait().
+    template <class T>
+    void broadcast_host(T* data, std::size_t count, int root, const group& g) {
+        if (!reads_device_memory()) return broadcast(data, count, root, g);
+        if (g.size <= 1 || count == 0) return;
+        std::vector<at::Tensor> tensors{control_tensor(data, count)};
+        state_->copy_back.push_back({tensors[0], detail::host_tensor(data, count)});
+        ::c10d::BroadcastOptions o;
+        o.rootRank = root;
+        const auto stream = on_payload_stream();
         state_->pending.push_back(start("a broadcast", [&] { return g.pg->broadcast(tensors, o); }));
         ++state_->counters.broadcast_calls;
         state_->counters.broadcast_bytes += static_cast<std::int64_t>(count * sizeof(T));
@@ -175,7 +213,11 @@ public:
         auto works = std::move(state_->pending);
         state_->pending.clear();
         const auto start = std::chrono::steady_clock::now();
+        const auto stream = on_payload_stream();
+        auto copy_back = std::move(state_->copy_back);
+        state_->copy_back.clear();
         complete(works, "a broadcast");
+        for (auto& [device, host] : copy_back) host.copy_(device);
         state_->counters.broadcast_wait_seconds +=
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
@@ -214,10 +256,11 @@ private:
         if (size() == 1) return out;
         std::vector<std::int64_t> values(out.size());
         std::int64_t mine = static_cast<std::int64_t>(value);
-        std::vector<at::Tensor> in{detail::host_tensor(&mine, 1)};
+        std::vector<at::Tensor> in{control_tensor(&mine, 1)};
         std::vector<std::vector<at::Tensor>> gathered(1);
-        for (auto& v : values) gathered[0].push_back(detail::host_tensor(&v, 1));
+        for (auto& v : values) gathered[0].push_back(control_tensor(&v, 1));
         run_control(what, [&] { return state_->world.pg->allgather(gathered, in); });
+        for (std::size_t r = 0; r < values.size(); ++r) received(gathered[0][r], &values[r], 1);
         for (std::size_t r = 0; r < out.size(); ++r) out[r] = static_cast<std::uint64_t>(values[r]);
         return out;
     }
@@ -232,13 +275,79 @@ private:
         std::chrono::milliseconds timeout{};
         const char* phase = "a collective";
         std::vector<c10::intrusive_ptr<::c10d::Work>> pending;
-        std::map<const ::c10d::ProcessGroup*, std::vector<float>> float_buckets;
-        std::map<const ::c10d::ProcessGroup*, std::vector<double>> double_buckets;
+        std::map<const c10d_collectives*, std::vector<float>> float_buckets;
+        std::map<const c10d_collectives*, std::vector<double>> double_buckets;
+        std::optional<detail::device_buckets> device_payloads;  // payloads in a device's memory
+        std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // broadcast_host's (device, host)
         comm_counters counters{};
     };
 
+    /// LibTorch 2: the backend of `world` that serves the payloads' device type.
+    template <class ProcessGroup>
+    static c10::intrusive_ptr<c10d_collectives> backend_of(const c10::intrusive_ptr<ProcessGroup>& world,
+                                                           const std::optional<c10::Device>& payload_device) {
+        if (!world) throw error("kfac::comm::process_group: the process group is null");
+        const c10::DeviceType type = payload_device ? payload_device->type() : c10::DeviceType::CPU;
+        try {
+            return world->getBackend(type);
+        } catch (const std::exception& e) {
+            throw error("kfac::comm::process_group: the process group has no backend for " +
+                        c10::DeviceTypeName(type) + " payloads (" + message_of(e) +
+                        "); give the backend itself, or name the payloads' device");
+        }
+    }
+
+    /// Bucketed allreduce of payloads in a device's memory: each bucket packed there, reduced
+    /// in place, and unpacked once every bucket has completed.
     template <class T>
-    std::vector<T>& bucket_storage(const ::c10d::ProcessGroup* pg) {
+    void allreduce_on_device(const std::vector<allreduce_item<T>>& items, const std::vector<detail::bucket>& buckets,
+                             bool pack_symmetric, const group& g) {
+        auto& device = *state_->device_payloads;
+        const auto stream = device.on_default_stream();
+        std::vector<at::Tensor> packed;
+        std::vector<c10::intrusive_ptr<::c10d::Work>> works;
+        for (const auto& b : buckets) {
+            packed.push_back(device.pack(items, b, pack_symmetric));
+            std::vector<at::Tensor> tensors{packed.back()};
+            works.push_back(start("an allreduce", [&] { return g.pg->allreduce(tensors); }));
+            ++state_->counters.allreduce_calls;
+            state_->counters.allreduce_bytes += static_cast<std::int64_t>(b.count * sizeof(T));
+        }
+        complete(works, "an allreduce");
+        for (std::size_t i = 0; i < buckets.size(); ++i) device.unpack(items, buckets[i], pack_symmetric, packed[i]);
+    }
+
+    /// A payload as a tensor over its memory (host or the payloads' device).
+    template <class T>
+    at::Tensor payload_tensor(T* data, std::size_t count) const {
+        return state_->device_payloads ? detail::memory_tensor(data, count, state_->device_payloads->device())
+                                       : detail::host_tensor(data, count);
+    }
+
+    /// The payloads' device's default stream while the result lives (none for host payloads).
+    [[nodiscard]] c10::OptionalStreamGuard on_payload_stream() const {
+        c10::optional<c10::Stream> stream;
+        if (state_->device_payloads) stream = c10::Stream(c10::Stream::DEFAULT, state_->device_payloads->device());
+        return c10::OptionalStreamGuard(stream);
+    }
+
+    /// Host control values as a tensor the world's collectives take: over the values
+    /// themselves, or a copy on the payloads' device (NCCL takes device tensors only; read back
+    /// with received()).
+    template <class T>
+    at::Tensor control_tensor(T* values, std::size_t count) const {
+        at::Tensor host = detail::host_tensor(values, count);
+        if (!reads_device_memory()) return host;
+        return host.to(state_->device_payloads->device(), host.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    }
+    /// Copies a control tensor's values back to `values` when it was a device copy.
+    template <class T>
+    void received(const at::Tensor& t, T* values, std::size_t count) const {
+        if (reads_device_memory()) detail::host_tensor(values, count).copy_(t);
+    }
+
+    template <class T>
+    std::vector<T>& bucket_storage(const c10d_collectives* pg) {
         if constexpr (std::is_same_v<T, float>) return state_->float_buckets[pg];
         else return state_->double_buckets[pg];
     }
@@ -289,6 +398,7 @@ private:
     /// One collective of control traffic over the world, started by `launch` and waited for.
     template <class Launch>
     void run_control(const char* what, Launch&& launch) {
+        const auto stream = on_payload_stream();
         std::vector<c10::intrusive_ptr<::c10d::Work>> works{start(what, launch)};
         complete(works, what);
         ++state_->counters.control_calls;
@@ -296,10 +406,11 @@ private:
 
     /// A reduction of control values over the world (agreement, votes).
     void control_reduce(std::int64_t* values, std::size_t count, ::c10d::ReduceOp::RedOpType op, const char* what) {
-        std::vector<at::Tensor> tensors{detail::host_tensor(values, count)};
+        std::vector<at::Tensor> tensors{control_tensor(values, count)};
         ::c10d::AllreduceOptions o;
         o.reduceOp = op;
         run_control(what, [&] { return state_->world.pg->allreduce(tensors, o); });
+        received(tensors[0], values, count);
     }
 
     std::string broadcast_text(const std::string& text, int root, const char* what) {
@@ -315,10 +426,11 @@ private:
     /// A broadcast of control values over the world from `root`.
     template <class T>
     void control_broadcast(T* data, std::size_t count, int root, const char* what) {
-        std::vector<at::Tensor> tensors{detail::host_tensor(data, count)};
+        std::vector<at::Tensor> tensors{control_tensor(data, count)};
         ::c10d::BroadcastOptions o;
         o.rootRank = root;
         run_control(what, [&] { return state_->world.pg->broadcast(tensors, o); });
+        received(tensors[0], data, count);
     }
 
     std::unique_ptr<state> state_;

@@ -28,7 +28,7 @@ inline group_factory gloo_groups(c10::intrusive_ptr<::c10d::ProcessGroupGloo::Op
         throw error("kfac::comm::gloo_groups: the options name no device; add the world's, e.g. "
                     "c10d::ProcessGroupGloo::createDefaultDevice()");
     return [options](const c10::intrusive_ptr<::c10d::Store>& store, int rank, int size)
-               -> c10::intrusive_ptr<::c10d::ProcessGroup> {
+               -> c10::intrusive_ptr<c10d_collectives> {
         return c10::make_intrusive<::c10d::ProcessGroupGloo>(store, rank, size, options);
     };
 }

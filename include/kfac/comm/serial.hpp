@@ -31,6 +31,11 @@
 ///   // overlap them, options.overlap_communication); for transports that move data only
 ///   // inside their own calls.
 ///   void progress();
+///   // Optional, for a policy whose payloads are device memory (a device backend then hands
+///   // it its buffers unstaged, kfac/detail/host_staging.hpp): says so, and broadcasts the
+///   // few payloads that are host memory all the same (checkpoints), completing at wait().
+///   bool reads_device_memory() const;
+///   template <class T> void broadcast_host(T* data, std::size_t count, int root, const group& g);
 /// ```
 /// Every rank calls the collectives in the same order. Groups of one rank send nothing and
 /// count nothing.
@@ -80,6 +85,14 @@ void progress(CommPolicy& c) {
 template <class CommPolicy>
 void announce_phase(CommPolicy& c, const char* name) noexcept {
     if constexpr (requires { c.phase(name); }) c.phase(name);
+}
+
+/// Broadcasts `count` values in host memory from group rank `root` (completing at wait()),
+/// also with a policy whose payloads are device memory (its broadcast_host()).
+template <class CommPolicy, class T>
+void broadcast_host(CommPolicy& c, T* data, std::size_t count, int root, const typename CommPolicy::group& g) {
+    if constexpr (requires { c.broadcast_host(data, count, root, g); }) c.broadcast_host(data, count, root, g);
+    else c.broadcast(data, count, root, g);
 }
 
 /// One process: every collective is the identity and nothing is sent.

@@ -213,7 +213,7 @@ std::vector<double> engine<Backend, CommPolicy, ComputeMethod>::gather_statistic
         std::vector<double> part(held.size());
         for (std::size_t k = 0; k < held.size(); ++k) part[k] = weights[held[k]];
         comm::announce_phase(comm_, "saving a checkpoint (gathering statistics weights)");
-        comm_.broadcast(part.data(), part.size(), source, comm_.world());
+        comm::broadcast_host(comm_, part.data(), part.size(), source, comm_.world());
         comm_.wait();
         for (std::size_t k = 0; k < held.size(); ++k) weights[held[k]] = part[k];
     }
@@ -233,7 +233,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::gather_tensor(const Storage& x,
     typename Backend::host_matrix h(rows, cols);
     if (comm_.rank() == source) h = Backend::to_host(x);
     comm::announce_phase(comm_, "saving a checkpoint (gathering tensors)");
-    comm_.broadcast(h.data(), static_cast<std::size_t>(h.size()), source, comm_.world());
+    comm::broadcast_host(comm_, h.data(), static_cast<std::size_t>(h.size()), source, comm_.world());
     comm_.wait();
     if (writer) tensors.push_back(checkpoint::to_tensor<scalar_type>(std::move(name), h, tensor_rank));
 }

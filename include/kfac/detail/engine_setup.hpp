@@ -34,7 +34,12 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
             check_factor_storage(*options_.factor_storage, precision_of<scalar_type>);
             if (*options_.factor_storage != precision_of<scalar_type>) storage_.format = options_.factor_storage;
         }
+        if (!device_backend && detail::reads_device_memory(comm_))
+            throw error("the communication policy reads device memory (a process group built with a CUDA "
+                        "payload_device) but this backend keeps its matrices in host memory; build the policy "
+                        "without a payload device (Gloo), or use the CUDA backend");
     });
+    staging_.follow(detail::reads_device_memory(comm_));
 }
 
 /// options.eigenbasis_reuse_tolerance keeps eigenvectors: the eigen method's, on a backend

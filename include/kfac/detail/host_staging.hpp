@@ -9,6 +9,9 @@
 /// The pinned memory is one arena that grows to the largest step's payload: a step that
 /// needs more than the arena holds takes extra chunks, and the next step finds one chunk of
 /// the combined size, so steady-state steps do not allocate.
+///
+/// A policy whose collectives read device memory themselves (reads_device_memory(): c10d's
+/// NCCL, kfac/comm/process_group.hpp) gets the device buffers as they are: see follow().
 
 #include <algorithm>
 #include <cstddef>
@@ -29,6 +32,14 @@ inline constexpr bool device_resident = [] {
 /// allreduce).
 enum class transfer { send, receive, send_and_receive };
 
+/// Whether `comm`'s collectives take device memory (an optional part of the CommPolicy
+/// contract; a policy without reads_device_memory() reads host memory).
+template <class CommPolicy>
+[[nodiscard]] bool reads_device_memory(const CommPolicy& comm) {
+    if constexpr (requires { comm.reads_device_memory(); }) return comm.reads_device_memory();
+    else return false;
+}
+
 /// A broadcast's transfer on this rank: the root sends, every other rank receives.
 [[nodiscard]] constexpr transfer broadcast_transfer(bool root) noexcept {
     return root ? transfer::send : transfer::receive;
@@ -41,6 +52,7 @@ public:
     /// A host backend's data is already where the collective reads it.
     scalar* stage(scalar* data, std::size_t, transfer) noexcept { return data; }
     void complete() noexcept {}
+    void follow(bool) noexcept {}
     [[nodiscard]] std::size_t bytes_staged() const noexcept { return 0; }
 };
 
@@ -53,6 +65,7 @@ public:
     /// device values are copied to the host now when this rank sends them, and the host values
     /// back to `device` at complete() when it receives.
     scalar* stage(scalar* device, std::size_t count, transfer t) {
+        if (direct_) return device;
         scalar* host = reserve(count);
         if (t != transfer::receive) Backend::download(device, host, count);
         if (t != transfer::send) pending_.push_back({device, host, count});
@@ -73,6 +86,10 @@ public:
         }
         for (auto& c : chunks_) c.used = 0;
     }
+
+    /// A communication policy that reads device memory (`comm_reads_device`) gets the device
+    /// buffers themselves from stage(), and nothing is copied.
+    void follow(bool comm_reads_device) noexcept { direct_ = comm_reads_device; }
 
     /// Payload bytes staged since construction (for tests and benchmarks).
     [[nodiscard]] std::size_t bytes_staged() const noexcept { return bytes_; }
@@ -102,6 +119,7 @@ private:
     std::list<chunk> chunks_;  // a list: staged pointers stay valid while chunks are added
     std::vector<upload> pending_;
     std::size_t bytes_ = 0;
+    bool direct_ = false;
 };
 
 }  // namespace kfac::detail
