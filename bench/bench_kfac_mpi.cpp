@@ -4,6 +4,7 @@
 ///
 ///   mpiexec -n W bench_kfac_mpi --model bench/models/resnet32_cifar10.txt
 ///           [--batch B (global, split evenly)] [--method eigen|inverse] [--iterations N]
+///           [--bucket-cap-mb X (options.allreduce_bucket_cap_mb; default the library's)]
 ///
 /// For each strategy: the median over N steps of the slowest rank's time (MPI_Wtime between
 /// barriers) for an update step (factor_update_steps = inv_update_steps = 1) and for a
@@ -11,9 +12,13 @@
 /// prints one JSON object per line; kfac_schedule_study --measured reads them. A first line
 /// ("calibration") measures the machine at this world size for the study's cost model.
 ///
-/// With --overlap, one line per strategy that broadcasts second-order data (comm_opt,
-/// hybrid_opt): the update step with options.overlap_communication off and on, interleaved,
-/// the time the ranks waited for those broadcasts in each, and the fraction of it hidden.
+/// With --overlap, one line per KAISA strategy: the update step with
+/// options.overlap_communication and options.overlap_factor_allreduce both off and both on,
+/// interleaved, and for each the time the ranks
+/// waited for the factor allreduce's buckets (overlapped with the averaging and the
+/// decompositions of the layers already landed) and for the second-order broadcasts
+/// (overlapped with preconditioning; comm_opt and hybrid_opt), and the fraction of each wait
+/// hidden.
 ///
 /// With --waits, one line instead: the time of a round of a step's control traffic (a little
 /// work on each rank, an agreement and a broadcast of one number) through comm::mpi, which
@@ -115,13 +120,14 @@ double median_step_ms(const kfac_bench::model& m, std::int64_t local_batch, kfac
     return times[times.size() / 2];
 }
 
-/// The update step with options.overlap_communication off and on, interleaved step by step on
+/// The update step with both overlaps off and on, interleaved step by step on
 /// the same data (the machine's drift falls on both): the slowest rank's median step time of
-/// each and the mean over ranks of the time spent waiting for the second-order broadcasts
-/// per step (comm_counters::broadcast_wait_seconds). The hidden fraction is the share of the
-/// wait that overlapping took away.
+/// each and the mean over ranks of the time spent waiting per step for the second-order
+/// broadcasts (comm_counters::broadcast_wait_seconds) and for the factor allreduce's buckets
+/// (allreduce_wait_seconds). A hidden fraction is the share of a wait that overlapping took
+/// away.
 struct overlap_row {
-    double off_ms = 0, on_ms = 0, off_wait_ms = 0, on_wait_ms = 0;
+    double off_ms = 0, on_ms = 0, off_wait_ms = 0, on_wait_ms = 0, off_allreduce_ms = 0, on_allreduce_ms = 0;
 };
 
 template <class Method>
@@ -130,7 +136,9 @@ overlap_row measure_overlap(const kfac_bench::model& m, std::int64_t local_batch
     auto buffers = make_buffers(m, local_batch, 1234);
     kfac::options off = o, on = o;
     off.overlap_communication = false;
+    off.overlap_factor_allreduce = false;
     on.overlap_communication = true;
+    on.overlap_factor_allreduce = true;
     preconditioner p_off(off, kfac::comm::mpi(MPI_COMM_WORLD)), p_on(on, kfac::comm::mpi(MPI_COMM_WORLD));
     for (std::size_t i = 0; i < buffers.size(); ++i) {
         p_off.register_layer(m.layers[i].name, buffers[i].view);
@@ -139,27 +147,30 @@ overlap_row measure_overlap(const kfac_bench::model& m, std::int64_t local_batch
     int world = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     std::vector<double> times[2];
-    double waits[2] = {0, 0};
+    double waits[2] = {0, 0}, allreduce_waits[2] = {0, 0};
     for (int it = -1; it < iterations; ++it) {  // it = -1: warm-up, not counted
         for (int k = 0; k < 2; ++k) {
             preconditioner& p = k == 0 ? p_off : p_on;
             restore_gradients(buffers);
-            const double wait_before = p.comm().counters().broadcast_wait_seconds;
+            const auto before = p.comm().counters();
             MPI_Barrier(MPI_COMM_WORLD);
             const double t0 = MPI_Wtime();
             p.step();
-            double mine[2] = {MPI_Wtime() - t0, p.comm().counters().broadcast_wait_seconds - wait_before};
-            double slowest = 0, wait_sum = 0;
+            const auto& after = p.comm().counters();
+            double mine[3] = {MPI_Wtime() - t0, after.broadcast_wait_seconds - before.broadcast_wait_seconds,
+                              after.allreduce_wait_seconds - before.allreduce_wait_seconds};
+            double slowest = 0, wait_sums[2] = {0, 0};
             MPI_Allreduce(&mine[0], &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-            MPI_Allreduce(&mine[1], &wait_sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+            MPI_Allreduce(&mine[1], wait_sums, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
             if (it < 0) continue;
             times[k].push_back(slowest * 1e3);
-            waits[k] += wait_sum / world * 1e3;
+            waits[k] += wait_sums[0] / world * 1e3;
+            allreduce_waits[k] += wait_sums[1] / world * 1e3;
         }
     }
     for (auto& t : times) std::sort(t.begin(), t.end());
     return {times[0][times[0].size() / 2], times[1][times[1].size() / 2], waits[0] / iterations,
-            waits[1] / iterations};
+            waits[1] / iterations, allreduce_waits[0] / iterations, allreduce_waits[1] / iterations};
 }
 
 /// What this machine does to W ranks, measured with every rank busy at once (no K-FAC
@@ -281,6 +292,7 @@ int main(int argc, char** argv) {
     std::int64_t batch = 0;
     int iterations = 3;
     bool overlap = false;
+    double bucket_cap_mb = kfac::options{}.allreduce_bucket_cap_mb;
     if (argc > 1 && std::string(argv[1]) == "--waits") {
         print_waits(world);
         MPI_Finalize();
@@ -298,12 +310,13 @@ int main(int argc, char** argv) {
         else if (arg == "--batch") batch = std::stoll(value);
         else if (arg == "--method") method = value;
         else if (arg == "--iterations") iterations = std::stoi(value);
+        else if (arg == "--bucket-cap-mb") bucket_cap_mb = std::stod(value);
     }
     int status = 0;
     try {
         if (model_path.empty())
             throw kfac::error("usage: bench_kfac_mpi --model FILE [--batch B] [--method eigen|inverse] [--iterations N] "
-                              "[--overlap]");
+                              "[--overlap] [--bucket-cap-mb X]");
         const auto m = kfac_bench::read_model(model_path);
         if (batch == 0) batch = m.batch;
         const std::int64_t local_batch = std::max<std::int64_t>(1, batch / world);
@@ -332,21 +345,26 @@ int main(int argc, char** argv) {
             o.strategy = s.kind;
             o.grad_worker_fraction = s.fraction;
             o.damping = 0.003;
+            o.allreduce_bucket_cap_mb = bucket_cap_mb;
             const bool eigen = method == "eigen";
             if (overlap) {
-                // Only the strategies that broadcast second-order data have something to overlap.
-                if (s.kind != kfac::distribution::kaisa || s.fraction == kfac::mem_opt) continue;
+                // KAISA's strategies average factors (DP-KFAC sends each to its owner only).
+                if (s.kind != kfac::distribution::kaisa) continue;
                 const overlap_row r = eigen ? measure_overlap<kfac::compute::eigendecomposition>(m, local_batch, o, iterations)
                                             : measure_overlap<kfac::compute::inverse>(m, local_batch, o, iterations);
                 if (rank == 0)
                     std::printf("{\"overlap\": true, \"model\": \"%s\", \"world\": %d, \"strategy\": \"%s\", "
                                 "\"method\": \"%s\", \"global_batch\": %lld, \"update_ms_off\": %.3f, "
                                 "\"update_ms_on\": %.3f, \"on_over_off\": %.3f, \"broadcast_wait_ms_off\": %.3f, "
-                                "\"broadcast_wait_ms_on\": %.3f, \"hidden_fraction\": %.3f}\n",
+                                "\"broadcast_wait_ms_on\": %.3f, \"hidden_fraction\": %.3f, "
+                                "\"allreduce_wait_ms_off\": %.3f, \"allreduce_wait_ms_on\": %.3f, "
+                                "\"allreduce_hidden_fraction\": %.3f}\n",
                                 model_path.substr(model_path.find_last_of('/') + 1).c_str(), world, s.name,
                                 method.c_str(), static_cast<long long>(batch), r.off_ms, r.on_ms, r.on_ms / r.off_ms,
                                 r.off_wait_ms, r.on_wait_ms,
-                                r.off_wait_ms > 0 ? 1.0 - r.on_wait_ms / r.off_wait_ms : 0.0);
+                                r.off_wait_ms > 0 ? 1.0 - r.on_wait_ms / r.off_wait_ms : 0.0, r.off_allreduce_ms,
+                                r.on_allreduce_ms,
+                                r.off_allreduce_ms > 0 ? 1.0 - r.on_allreduce_ms / r.off_allreduce_ms : 0.0);
                 std::fflush(stdout);
                 continue;
             }

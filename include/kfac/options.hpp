@@ -201,6 +201,16 @@ struct options {
     /// order and the same arithmetic either way (the results are bitwise equal); false waits
     /// for every broadcast first, the schedule before it existed. Ranks may differ in it.
     bool overlap_communication = true;
+    /// Overlap the factor allreduce with the work that needs its sums (KAISA with several
+    /// ranks): its buckets complete one by one, and each layer is averaged, and on an
+    /// inverse-update step decomposed, as soon as its statistics have landed, while the later
+    /// buckets travel. One more collective per factor update (the rows' sums, first), so every
+    /// rank must set it alike (it is part of the configuration agreement). The same buckets and
+    /// arithmetic as without it: the same numbers while a layer's rows summed over the ranks
+    /// stay below 2²⁴ in float (2⁵³ in double) and BLAS runs one thread per rank (the default
+    /// with several ranks; README, "Overlap"). A device backend that stages its collectives
+    /// through the host completes the allreduce whole, as without it.
+    bool overlap_factor_allreduce = false;
 
     // Mixed precision (README, "Precision").
     /// The loss scale s of mixed-precision training (> 0, finite): the host back-propagates

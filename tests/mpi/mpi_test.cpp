@@ -16,9 +16,12 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <kfac/kfac.hpp>
@@ -120,7 +123,8 @@ kfac::comm_counters delta(const kfac::comm_counters& after, const kfac::comm_cou
     return {after.allreduce_calls - before.allreduce_calls, after.allreduce_bytes - before.allreduce_bytes,
             after.broadcast_calls - before.broadcast_calls, after.broadcast_bytes - before.broadcast_bytes,
             after.control_calls - before.control_calls,
-            after.broadcast_wait_seconds - before.broadcast_wait_seconds};
+            after.broadcast_wait_seconds - before.broadcast_wait_seconds,
+            after.allreduce_wait_seconds - before.allreduce_wait_seconds};
 }
 
 /// Expected table for KAISA with fraction f, computed from the grid's definition.
@@ -497,6 +501,75 @@ TEST_CASE("an invalid fraction names the valid values", "[mpi][errors]") {
     mpi_kfac<> p(o, make_comm());
     m.register_all(p);
     CHECK_THROWS_WITH(p.step(), Contains("does not divide the world size 3") && Contains("0.333333"));
+}
+
+TEST_CASE("overlapped factor allreduce: the numbers of the blocking one, bit for bit", "[mpi][overlap]") {
+    // options.overlap_factor_allreduce completes the factor buckets one by one, averaging each
+    // layer and (on inverse-update steps) decomposing its factors as its buckets land. The
+    // buckets are the same, so are the sums; the rest is the same local arithmetic. A tiny cap
+    // makes a bucket of every item, so layers land while others still travel.
+    for (auto [strategy, o] : every_strategy()) {
+        INFO(strategy);
+        o.damping = 0.01;
+        o.inv_update_steps = 2;  // decompositions overlapped at steps 0 and 2
+        o.allreduce_bucket_cap_mb = 1e-5;
+        kfac::options on = o;
+        on.overlap_factor_allreduce = true;
+        model a, b;
+        mpi_kfac<> blocking(o, make_comm()), overlapped(on, make_comm());
+        a.register_all(blocking);
+        b.register_all(overlapped);
+        for (std::uint32_t step = 0; step < 4; ++step) {
+            INFO("step " << step);
+            a.next_pass(500 + 100 * static_cast<std::uint32_t>(world_rank()), step);
+            b.next_pass(500 + 100 * static_cast<std::uint32_t>(world_rank()), step);
+            blocking.step();
+            overlapped.step();
+            for (std::size_t i = 0; i < a.layers.size(); ++i) {
+                INFO("layer " << i);
+                CHECK(a.layers[i].grad_weight == b.layers[i].grad_weight);
+                CHECK(a.layers[i].grad_bias == b.layers[i].grad_bias);
+            }
+        }
+        for (std::size_t i = 0; i < a.layers.size(); ++i) {
+            CHECK(blocking.a_factor(layer_name(i)) == overlapped.a_factor(layer_name(i)));
+            CHECK(blocking.g_factor(layer_name(i)) == overlapped.g_factor(layer_name(i)));
+        }
+        // The rows' sums travel first, apart: one allreduce more per step under KAISA.
+        const bool averaged = o.strategy == kfac::distribution::kaisa && world_size() > 1;
+        CHECK(overlapped.comm().counters().allreduce_calls - blocking.comm().counters().allreduce_calls ==
+              (averaged ? 4 : 0));
+    }
+}
+
+TEST_CASE("a failure between allreduce buckets leaves no collective pending", "[mpi][overlap]") {
+    // The last rank's callback throws at the first bucket: it still completes every bucket,
+    // so the sums are whole on every rank and the next collective finds the ranks in step.
+    auto comm = make_comm();
+    std::vector<double> x(40), y(7);
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<double>(i + 1);
+    for (std::size_t i = 0; i < y.size(); ++i) y[i] = 0.5 * static_cast<double>(i);
+    std::vector<kfac::allreduce_item<double>> items{{x.data(), x.size(), false, 0}, {y.data(), y.size(), false, 0}};
+    const bool fails = world_rank() == world_size() - 1 && world_size() > 1;
+    std::vector<std::pair<std::size_t, std::size_t>> landed;
+    const auto each = [&](std::size_t first, std::size_t last) {
+        landed.emplace_back(first, last);
+        if (fails) throw std::runtime_error("a layer's work failed");
+    };
+    if (fails) {
+        CHECK_THROWS_WITH(kfac::comm::allreduce_sum_each(comm, items, 64, false, comm.world(), each),
+                          Contains("a layer's work failed"));
+        CHECK(landed.size() == 1);  // no callback after the failure
+    } else {
+        kfac::comm::allreduce_sum_each(comm, items, 64, false, comm.world(), each);
+        if (world_size() > 1) CHECK(landed == std::vector<std::pair<std::size_t, std::size_t>>{{0, 1}, {1, 2}});
+        else CHECK(landed == std::vector<std::pair<std::size_t, std::size_t>>{{0, 2}});
+    }
+    // Every rank's sums are whole (the W ranks held the same values) ...
+    CHECK(x[39] == 40.0 * world_size());
+    CHECK(y[6] == 3.0 * world_size());
+    // ... and the world answers the next collective together.
+    CHECK(comm.agree(std::nullopt) == std::nullopt);
 }
 
 TEST_CASE("DP-KFAC: only the owner holds a layer's factors", "[mpi][dp_kfac]") {

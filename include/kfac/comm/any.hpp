@@ -59,6 +59,12 @@ public:
         held_->allreduce_sum(items, cap_bytes, pack_symmetric, g);
     }
     template <class T>
+    void allreduce_sum_each(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes, bool pack_symmetric,
+                            const group& g, const bucket_landed& landed) {
+        static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "comm::any: float or double payloads");
+        held_->allreduce_sum_each(items, cap_bytes, pack_symmetric, g, landed);
+    }
+    template <class T>
     void broadcast(T* data, std::size_t count, int root, const group& g) {
         static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "comm::any: float or double payloads");
         held_->broadcast(data, count, root, g, false);
@@ -94,6 +100,10 @@ private:
         virtual group split(int color) = 0;
         virtual void allreduce_sum(const std::vector<allreduce_item<float>>&, std::size_t, bool, const group&) = 0;
         virtual void allreduce_sum(const std::vector<allreduce_item<double>>&, std::size_t, bool, const group&) = 0;
+        virtual void allreduce_sum_each(const std::vector<allreduce_item<float>>&, std::size_t, bool, const group&,
+                                        const bucket_landed&) = 0;
+        virtual void allreduce_sum_each(const std::vector<allreduce_item<double>>&, std::size_t, bool, const group&,
+                                        const bucket_landed&) = 0;
         virtual void broadcast(float*, std::size_t, int, const group&, bool host) = 0;
         virtual void broadcast(double*, std::size_t, int, const group&, bool host) = 0;
         virtual void wait() = 0;
@@ -129,6 +139,14 @@ private:
         void allreduce_sum(const std::vector<allreduce_item<double>>& items, std::size_t cap, bool symmetric,
                            const group& g) override {
             policy.allreduce_sum(items, cap, symmetric, unwrap(g));
+        }
+        void allreduce_sum_each(const std::vector<allreduce_item<float>>& items, std::size_t cap, bool symmetric,
+                                const group& g, const bucket_landed& landed) override {
+            comm::allreduce_sum_each(policy, items, cap, symmetric, unwrap(g), landed);
+        }
+        void allreduce_sum_each(const std::vector<allreduce_item<double>>& items, std::size_t cap, bool symmetric,
+                                const group& g, const bucket_landed& landed) override {
+            comm::allreduce_sum_each(policy, items, cap, symmetric, unwrap(g), landed);
         }
         void broadcast(float* data, std::size_t count, int root, const group& g, bool host) override {
             send(data, count, root, g, host);

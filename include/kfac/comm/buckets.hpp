@@ -87,6 +87,18 @@ void pack_bucket(const std::vector<allreduce_item<T>>& items, const bucket& b, b
     }
 }
 
+/// Copies bucket `b`'s items back out of `buffer` (where pack_bucket put them).
+template <class T>
+void unpack_bucket(const std::vector<allreduce_item<T>>& items, const bucket& b, bool pack_symmetric, const T* buffer) {
+    const T* in = buffer + b.offset;
+    for (std::size_t i = b.first; i < b.last; ++i) {
+        const auto& it = items[i];
+        if (pack_symmetric && it.symmetric) unpack_lower(in, it.dim, it.data);
+        else std::memcpy(it.data, in, sizeof(T) * it.count);
+        in += packed_count(it, pack_symmetric);
+    }
+}
+
 /// Copies every item back out of `buffer`.
 template <class T>
 void unpack_items(const std::vector<allreduce_item<T>>& items, bool pack_symmetric, const T* buffer) {

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -109,12 +110,27 @@ public:
     template <class T>
     void allreduce_sum(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes,
                        bool pack_symmetric, const group& g) {
-        if (g.size <= 1 || items.empty()) return;
+        allreduce_sum_each(items, cap_bytes, pack_symmetric, g, {});
+    }
+
+    /// The same allreduce with its buckets completed in order: after each, its items are
+    /// unpacked and `landed` (when given) runs while the later buckets travel (progress()
+    /// moves them meanwhile). If `landed` throws, the remaining buckets are still completed
+    /// before the exception propagates, so no collective is left pending.
+    template <class T>
+    void allreduce_sum_each(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes, bool pack_symmetric,
+                            const group& g, const bucket_landed& landed) {
+        if (items.empty()) return;
+        if (g.size <= 1) {
+            if (landed) landed(0, items.size());
+            return;
+        }
         // One bucket buffer per communicator, reused across steps (keyed by identity).
         auto& buffer = bucket_storage<T>(g.comm);
         const std::vector<detail::bucket> buckets = detail::plan_buckets(items, cap_bytes, pack_symmetric);
         buffer.resize(detail::total_count(buckets));
-        std::vector<MPI_Request> requests(buckets.size(), MPI_REQUEST_NULL);
+        std::vector<MPI_Request>& requests = state_->allreduce_in_flight;
+        requests.assign(buckets.size(), MPI_REQUEST_NULL);
         // Pack and start each bucket as soon as it is full, so it travels while the next
         // bucket is packed.
         for (std::size_t b = 0; b < buckets.size(); ++b) {
@@ -126,8 +142,21 @@ public:
             ++state_->counters.allreduce_calls;
             state_->counters.allreduce_bytes += static_cast<std::int64_t>(n * sizeof(T));
         }
-        detail::wait_all(requests, "MPI_Iallreduce");
-        detail::unpack_items(items, pack_symmetric, buffer.data());
+        std::exception_ptr failure;
+        for (std::size_t b = 0; b < buckets.size(); ++b) {
+            const double start = MPI_Wtime();
+            detail::wait_one(requests[b], "MPI_Iallreduce");
+            state_->counters.allreduce_wait_seconds += MPI_Wtime() - start;
+            detail::unpack_bucket(items, buckets[b], pack_symmetric, buffer.data());
+            if (!landed || failure) continue;
+            try {
+                landed(buckets[b].first, buckets[b].last);
+            } catch (...) {
+                failure = std::current_exception();
+            }
+        }
+        requests.clear();
+        if (failure) std::rethrow_exception(failure);
     }
 
     template <class T>
@@ -144,11 +173,12 @@ public:
     /// Lets the pending broadcasts advance without waiting for them (MPICH moves a message
     /// only inside an MPI call): called between tasks while they travel.
     void progress() {
-        if (state_->pending.empty()) return;
-        int done = 0;
-        detail::check_mpi(MPI_Testall(static_cast<int>(state_->pending.size()), state_->pending.data(), &done,
-                                      MPI_STATUSES_IGNORE),
-                          "MPI_Testall");
+        for (auto* requests : {&state_->pending, &state_->allreduce_in_flight}) {
+            if (requests->empty()) continue;
+            int done = 0;
+            detail::check_mpi(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &done, MPI_STATUSES_IGNORE),
+                              "MPI_Testall");
+        }
     }
 
     void wait() {
@@ -233,6 +263,7 @@ private:
         group world{};
         std::vector<MPI_Comm> owned;
         std::vector<MPI_Request> pending;
+        std::vector<MPI_Request> allreduce_in_flight;  // allreduce_sum_each's buckets, for progress()
         std::map<MPI_Comm, std::vector<float>> float_buckets;
         std::map<MPI_Comm, std::vector<double>> double_buckets;
         comm_counters counters{};

@@ -38,6 +38,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -162,9 +163,23 @@ public:
     template <class T>
     void allreduce_sum(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes, bool pack_symmetric,
                        const group& g) {
-        if (g.size <= 1 || items.empty()) return;
+        allreduce_sum_each(items, cap_bytes, pack_symmetric, g, {});
+    }
+
+    /// The same allreduce with its buckets completed in order: after each, its items are
+    /// unpacked and `landed` (when given) runs while the later buckets travel (Gloo's and
+    /// NCCL's own threads move them). If `landed` throws, the remaining buckets are still
+    /// completed before the exception propagates, so no collective is left pending.
+    template <class T>
+    void allreduce_sum_each(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes, bool pack_symmetric,
+                            const group& g, const bucket_landed& landed) {
+        if (items.empty()) return;
+        if (g.size <= 1) {
+            if (landed) landed(0, items.size());
+            return;
+        }
         const std::vector<detail::bucket> buckets = detail::plan_buckets(items, cap_bytes, pack_symmetric);
-        if (state_->device_payloads) return allreduce_on_device(items, buckets, pack_symmetric, g);
+        if (state_->device_payloads) return allreduce_on_device(items, buckets, pack_symmetric, g, landed);
         auto& buffer = bucket_storage<T>(g.pg.get());
         buffer.resize(detail::total_count(buckets));
         std::vector<c10::intrusive_ptr<::c10d::Work>> works;
@@ -176,8 +191,9 @@ public:
             ++state_->counters.allreduce_calls;
             state_->counters.allreduce_bytes += static_cast<std::int64_t>(b.count * sizeof(T));
         }
-        complete(works, "an allreduce");
-        detail::unpack_items(items, pack_symmetric, buffer.data());
+        complete_in_order(works, buckets, landed, [&](const detail::bucket& b, std::size_t) {
+            detail::unpack_bucket(items, b, pack_symmetric, buffer.data());
+        });
     }
 
     template <class T>
@@ -301,7 +317,7 @@ private:
     /// in place, and unpacked once every bucket has completed.
     template <class T>
     void allreduce_on_device(const std::vector<allreduce_item<T>>& items, const std::vector<detail::bucket>& buckets,
-                             bool pack_symmetric, const group& g) {
+                             bool pack_symmetric, const group& g, const bucket_landed& landed) {
         auto& device = *state_->device_payloads;
         const auto stream = device.on_default_stream();
         std::vector<at::Tensor> packed;
@@ -313,8 +329,33 @@ private:
             ++state_->counters.allreduce_calls;
             state_->counters.allreduce_bytes += static_cast<std::int64_t>(b.count * sizeof(T));
         }
-        complete(works, "an allreduce");
-        for (std::size_t i = 0; i < buckets.size(); ++i) device.unpack(items, buckets[i], pack_symmetric, packed[i]);
+        complete_in_order(works, buckets, landed, [&](const detail::bucket& b, std::size_t i) {
+            device.unpack(items, b, pack_symmetric, packed[i]);
+        });
+    }
+
+    /// Waits for each bucket's work in order (at most the timeout each), unpacks it and calls
+    /// `landed`; a failure of `landed` is raised once every bucket has completed.
+    template <class Unpack>
+    void complete_in_order(std::vector<c10::intrusive_ptr<::c10d::Work>>& works,
+                           const std::vector<detail::bucket>& buckets, const bucket_landed& landed, Unpack&& unpack) {
+        std::exception_ptr failure;
+        for (std::size_t i = 0; i < buckets.size(); ++i) {
+            std::vector<c10::intrusive_ptr<::c10d::Work>> one{std::move(works[i])};
+            const auto start = std::chrono::steady_clock::now();
+            complete(one, "an allreduce");
+            state_->counters.allreduce_wait_seconds +=
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            unpack(buckets[i], i);
+            if (!landed || failure) continue;
+            try {
+                landed(buckets[i].first, buckets[i].last);
+            } catch (...) {
+                failure = std::current_exception();
+            }
+        }
+        works.clear();
+        if (failure) std::rethrow_exception(failure);
     }
 
     /// A payload as a tensor over its memory (host or the payloads' device).

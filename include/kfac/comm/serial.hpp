@@ -31,6 +31,11 @@
 ///   // overlap them, options.overlap_communication); for transports that move data only
 ///   // inside their own calls.
 ///   void progress();
+///   // Optional: allreduce_sum with its buckets completed in order, `landed(first, last)`
+///   // called after each (items [first, last) hold their sums) while later ones travel; if
+///   // `landed` throws, every bucket is still completed before the exception propagates.
+///   template <class T> void allreduce_sum_each(const std::vector<allreduce_item<T>>&,
+///       std::size_t cap_bytes, bool pack_symmetric, const group& g, const bucket_landed& landed);
 ///   // Optional, for a policy whose payloads are device memory (a device backend then hands
 ///   // it its buffers unstaged, kfac/detail/host_staging.hpp): says so, and broadcasts the
 ///   // few payloads that are host memory all the same (checkpoints), completing at wait().
@@ -42,6 +47,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -59,6 +65,9 @@ struct comm_counters {
     /// Seconds this rank spent in wait() for its broadcasts to complete: what was not hidden
     /// behind other work (options.overlap_communication; bench_kfac_mpi --overlap).
     double broadcast_wait_seconds = 0.0;
+    /// Seconds this rank spent blocked waiting for factor allreduce buckets to complete: what
+    /// the work between buckets did not hide (allreduce_sum_each; bench_kfac_mpi --overlap).
+    double allreduce_wait_seconds = 0.0;
 };
 
 /// One buffer of a bucketed allreduce: `count` values, or a `dim` × `dim` symmetric
@@ -72,6 +81,22 @@ struct allreduce_item {
 };
 
 namespace comm {
+
+/// Called as a bucket of an allreduce completes: items [first, last) hold their sums.
+using bucket_landed = std::function<void(std::size_t first, std::size_t last)>;
+
+/// The bucketed allreduce with `landed` called as buckets complete: the policy's
+/// allreduce_sum_each where it has one, else its allreduce_sum and one call for every item.
+template <class CommPolicy, class T>
+void allreduce_sum_each(CommPolicy& c, const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes,
+                        bool pack_symmetric, const typename CommPolicy::group& g, const bucket_landed& landed) {
+    if constexpr (requires { c.allreduce_sum_each(items, cap_bytes, pack_symmetric, g, landed); }) {
+        c.allreduce_sum_each(items, cap_bytes, pack_symmetric, g, landed);
+    } else {
+        c.allreduce_sum(items, cap_bytes, pack_symmetric, g);
+        if (!items.empty()) landed(0, items.size());
+    }
+}
 
 /// Lets a policy whose collectives move only inside its calls (kfac::comm::mpi) advance the
 /// pending ones between tasks; a policy without progress() needs none (Gloo has its threads).

@@ -33,7 +33,9 @@
 ///                       have gradients)
 ///   finish_pass         agree (statistics, factor-update steps), agree (end_pass)
 ///   update_factors      allreduce_sum of every statistic and the rows weights, bucketed (KAISA
-///                       with several ranks; none otherwise)
+///                       with several ranks; none otherwise); with options.overlap_factor_allreduce
+///                       first an allreduce_sum of the rows weights alone, then the same buckets
+///                       completed one by one (allreduce_sum_each)
 ///   update_second_order agree (decompositions), then per layer in registration order whose data
 ///                       is shared: broadcasts of the A payloads, then the G payloads (column group)
 ///   precondition_all    agree (preconditioning), per layer in order whose gradient is shared:
@@ -58,6 +60,7 @@
 #include "kfac/blocks/kinds.hpp"
 #include "kfac/checkpoint/format.hpp"
 #include "kfac/checkpoint/state_dict.hpp"
+#include "kfac/comm/serial.hpp"
 #include "kfac/config.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/detail/checkpoint_io.hpp"
@@ -262,9 +265,34 @@ private:
     void capture_pass();
     void end_pass();
 
+    /// Layer i's running factors updated from its statistics (summed over `count` rows or
+    /// applications); skipped when it holds none or none came in this step.
+    void average_layer(std::size_t i, const step_plan& plan, step_outcome& outcome, double count);
+    /// update_factors() with options.overlap_factor_allreduce: each layer averaged, and on an
+    /// inverse-update step decomposed, as soon as its buckets of the allreduce land.
+    void update_factors_overlapped(const step_plan& plan, step_outcome& outcome,
+                                   const std::vector<allreduce_item<scalar_type>>& items, std::vector<scalar_type> rows,
+                                   std::size_t cap);
+
     // second-order data
     void count_bases(const layer_record& l, const typename method::factor_data& a,
                      const typename method::factor_data& g);
+    /// One layer's decompositions in an inverse update.
+    struct second_order_result {
+        typename method::factor_data a, g;
+        bool ok_a = true, ok_g = true;
+        damping_terms terms{};  // where this update's damping goes (kfac/detail/damping_terms.hpp)
+        bool computed = false;  // its tasks have run
+    };
+    /// Appends layer i's decomposition tasks (the factors this rank computes), writing into
+    /// second_order_results_[i]; widens its factors (released after the update).
+    void add_decomposition_tasks(std::size_t i, double damping, std::vector<detail::task>& tasks);
+    /// Runs layer i's decompositions now (overlapped with the factor allreduce); a failure is
+    /// kept for update_second_order()'s agreement, where every rank meets it.
+    void decompose_early(std::size_t i, double damping);
+    /// Forgets decompositions started early and releases the factors they widened (a step
+    /// that failed before update_second_order()).
+    void abandon_early_decompositions() noexcept;
 
     // checkpoints
     void load_from(std::string bytes, const std::string& source, const checkpoint::load_options& o);
@@ -348,6 +376,10 @@ private:
     /// update_second_order() left its broadcasts travelling (options.overlap_communication):
     /// precondition_all() waits for them before the first layer that receives.
     bool second_order_in_flight_ = false;
+    /// The inverse update's results, filled early by update_factors() when it overlaps the
+    /// decompositions with its allreduce (empty otherwise), and the first failure of those.
+    std::vector<second_order_result> second_order_results_;
+    std::exception_ptr early_decomposition_failure_;
     health_counters health_{};
     factor_storage<Backend> storage_{};  // options.factor_storage
     eigenbasis_count bases_{};

@@ -162,8 +162,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update,
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan& plan, step_outcome& outcome) {
     comm::announce_phase(comm_, "the factor update");
-    const double decay = plan.factor_decay;
-    const auto xi = static_cast<scalar_type>(decay);
+    abandon_early_decompositions();  // of a step that failed before its inverse update
     const bool averaged = options_.strategy == distribution::kaisa && comm_.size() > 1;
     std::vector<scalar_type> weights;
     if (averaged) {
@@ -186,18 +185,67 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan&
         }
         items.push_back({weights.data(), weights.size(), false, 0});
         const auto cap = static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
+        // Overlapped, a bucket's layers are used as it lands: the values must be in place then,
+        // as they are unless a device backend's go through the host staging.
+        if (options_.overlap_factor_allreduce && staging_.direct())
+            return update_factors_overlapped(plan, outcome, items, weights, cap);
         comm::announce_phase(comm_, "the factor update (its allreduce)");
         comm_.allreduce_sum(items, cap, options_.symmetry_aware, comm_.world());
         staging_.complete();
     }
-    for (std::size_t i = 0; i < layers_.size(); ++i) {
-        auto& l = layers_[i];
-        if (!l.role.holds_factors) continue;
-        const double count = averaged ? static_cast<double>(weights[i]) : static_cast<double>(total_applications(l));
-        if (count == 0.0) continue;  // applied on no rank in this step: no data, no decay
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+        average_layer(i, plan, outcome,
+                      averaged ? static_cast<double>(weights[i]) : static_cast<double>(total_applications(layers_[i])));
+}
+
+/// The bucketed allreduce of update_factors() with its buckets completed one by one: a layer is
+/// averaged as soon as both its statistics have landed, and on an inverse-update step its
+/// decompositions run then, while the later buckets travel. The rows weights travel first in an
+/// allreduce of their own so that each layer's count is known when its statistics land; they
+/// also stay in the last bucket, so the buckets are the same as without overlap and so are the
+/// sums. (The rows are whole numbers: their sums are exact, and equal to the buckets' copy,
+/// while they stay below 2²⁴ in float, 2⁵³ in double.)
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::update_factors_overlapped(
+    const step_plan& plan, step_outcome& outcome, const std::vector<allreduce_item<scalar_type>>& items,
+    std::vector<scalar_type> rows, std::size_t cap) {
+    comm::announce_phase(comm_, "the factor update (the allreduce of its rows)");
+    comm_.allreduce_sum(std::vector<allreduce_item<scalar_type>>{{rows.data(), rows.size(), false, 0}}, 0, false,
+                        comm_.world());
+    const bool decompose = plan.inverse_update;
+    if (decompose) second_order_results_.assign(layers_.size(), {});
+    std::vector<int> landed_items(layers_.size(), 0);  // of a layer's two statistics
+    std::size_t next = 0;                               // layers averaged so far, in order
+    const auto landed = [&](std::size_t first, std::size_t last) {
+        for (std::size_t k = first; k < last && k < 2 * layers_.size(); ++k) ++landed_items[k / 2];
+        for (; next < layers_.size() && landed_items[next] == 2; ++next) {
+            average_layer(next, plan, outcome, static_cast<double>(rows[next]));
+            if (decompose) decompose_early(next, plan.damping);
+            comm::progress(comm_);  // MPICH moves the later buckets only inside MPI calls
+        }
+    };
+    comm::announce_phase(comm_, "the factor update (its allreduce, overlapped)");
+    try {
+        comm::allreduce_sum_each(comm_, items, cap, options_.symmetry_aware, comm_.world(), landed);
+    } catch (...) {
+        abandon_early_decompositions();
+        throw;
+    }
+    staging_.complete();
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::average_layer(std::size_t i, const step_plan& plan,
+                                                               step_outcome& outcome, double count) {
+    const double decay = plan.factor_decay;
+    const auto xi = static_cast<scalar_type>(decay);
+    auto& l = layers_[i];
+    {
+        if (!l.role.holds_factors) return;
+        if (count == 0.0) return;  // applied on no rank in this step: no data, no decay
         if (!l.block->statistic_finite(l.statistics)) {
             outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
-            continue;
+            return;
         }
         double& w = l.state.statistics_weight;
         storage_.widen(l.state);

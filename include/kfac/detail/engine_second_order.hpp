@@ -56,51 +56,80 @@ auto engine<Backend, CommPolicy, ComputeMethod>::prefetch_decompositions() -> pr
 /// options.eigenbasis_reuse_tolerance may keep a factor's previous eigenvectors; only data
 /// this rank computed in an earlier update (has_second) counts as previous.
 template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::add_decomposition_tasks(std::size_t i, double damping,
+                                                                         std::vector<detail::task>& tasks) {
+    static const typename method::factor_data none{};
+    auto& l = layers_[i];
+    auto& r = second_order_results_[i];
+    r.computed = true;
+    const auto& d = l.host.description;
+    // Before the first update a receiver's buffers are sized but hold nothing.
+    const bool has_previous = l.state.has_second;
+    const auto* previous_a = has_previous ? &l.state.second.a : &none;
+    const auto* previous_g = has_previous ? &l.state.second.g : &none;
+    if (l.role.computes_a || l.role.computes_g) {
+        storage_.widen(l.state);  // released once the decompositions are done
+        r.terms = l.block->damping_of(l.state, damping, options_);
+    }
+    if (l.role.computes_a)
+        tasks.push_back(layer_task(l, {l.block->second_order_cost(d, factor_side::a), [&l, &r, previous_a, this] {
+                                           r.ok_a = l.block->compute(factor_side::a, l.state.a_factor, r.terms.a,
+                                                                     options_, *previous_a, r.a);
+                                       }}));
+    if (l.role.computes_g)
+        tasks.push_back(layer_task(l, {l.block->second_order_cost(d, factor_side::g), [&l, &r, previous_g, this] {
+                                           r.ok_g = l.block->compute(factor_side::g, l.state.g_factor, r.terms.g,
+                                                                     options_, *previous_g, r.g);
+                                       }}));
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::decompose_early(std::size_t i, double damping) {
+    if (early_decomposition_failure_) return;  // the update fails at its agreement anyway
+    try {
+        std::vector<detail::task> tasks;
+        add_decomposition_tasks(i, damping, tasks);
+        detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
+    } catch (...) {
+        early_decomposition_failure_ = std::current_exception();
+    }
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::abandon_early_decompositions() noexcept {
+    if (second_order_results_.empty() && !early_decomposition_failure_) return;
+    second_order_results_.clear();
+    early_decomposition_failure_ = nullptr;
+    for (auto& l : layers_) storage_.release(l.state);
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_plan& plan, step_outcome& outcome) {
     comm::announce_phase(comm_, "the second-order update");
     const double damping = plan.damping;
     second_order_damping_ = damping;
-    // Decompose every factor this rank owns as independent tasks, then apply the results
-    // and share them in layer order (every rank issues the broadcasts in that order).
-    struct result {
-        typename method::factor_data a, g;
-        bool ok_a = true, ok_g = true;
-        damping_terms terms{};  // where this update's damping goes (kfac/detail/damping_terms.hpp)
-    };
-    std::vector<result> results(layers_.size());
+    // Decompose every factor this rank owns as independent tasks (those update_factors() has
+    // not already decomposed while its allreduce travelled), then apply the results and share
+    // them in layer order (every rank issues the broadcasts in that order).
+    const bool started_early = !second_order_results_.empty();
+    if (!started_early) second_order_results_.assign(layers_.size(), {});
     std::vector<detail::task> tasks;
-    const typename method::factor_data none{};
-    for (std::size_t i = 0; i < layers_.size(); ++i) {
-        auto& l = layers_[i];
-        auto& r = results[i];
-        const auto& d = l.host.description;
-        // Before the first update a receiver's buffers are sized but hold nothing.
-        const bool has_previous = l.state.has_second;
-        const auto* previous_a = has_previous ? &l.state.second.a : &none;
-        const auto* previous_g = has_previous ? &l.state.second.g : &none;
-        if (l.role.computes_a || l.role.computes_g) {
-            storage_.widen(l.state);  // released below, once the decompositions are done
-            r.terms = l.block->damping_of(l.state, damping, options_);
-        }
-        if (l.role.computes_a)
-            tasks.push_back(layer_task(l, {l.block->second_order_cost(d, factor_side::a), [&l, &r, previous_a, this] {
-                                               r.ok_a = l.block->compute(factor_side::a, l.state.a_factor, r.terms.a,
-                                                                         options_, *previous_a, r.a);
-                                           }}));
-        if (l.role.computes_g)
-            tasks.push_back(layer_task(l, {l.block->second_order_cost(d, factor_side::g), [&l, &r, previous_g, this] {
-                                               r.ok_g = l.block->compute(factor_side::g, l.state.g_factor, r.terms.g,
-                                                                         options_, *previous_g, r.g);
-                                           }}));
-    }
-    struct widened_factors {  // the factors widened above, released however the tasks end
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+        if (!second_order_results_[i].computed) add_decomposition_tasks(i, damping, tasks);
+    struct widened_factors {  // the factors widened for the tasks, released however they end
         engine& e;
         ~widened_factors() {
             for (auto& l : e.layers_) e.storage_.release(l.state);
+            e.second_order_results_.clear();
+            e.early_decomposition_failure_ = nullptr;
         }
     } widened{*this};
+    auto& results = second_order_results_;
     agree_on([&] {
-        const auto prefetched = prefetch_decompositions();
+        if (early_decomposition_failure_) std::rethrow_exception(early_decomposition_failure_);
+        // A backend's batched decompositions take the factors all at once: not when some were
+        // decomposed one by one already.
+        const auto prefetched = started_early ? prefetch_guard{} : prefetch_decompositions();
         detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_);
     });
     for (std::size_t i = 0; i < layers_.size(); ++i) {

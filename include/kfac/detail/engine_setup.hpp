@@ -125,6 +125,7 @@ std::vector<config_item> engine<Backend, CommPolicy, ComputeMethod>::configurati
                                                    ? "a schedule"
                                                    : exact_number_text(options_.loss_scale(0))});
     if (options_.fp64_decompositions) items.push_back({"options.fp64_decompositions", "true"});
+    if (options_.overlap_factor_allreduce) items.push_back({"options.overlap_factor_allreduce", "true"});
     if (!options_.fp64_retry) items.push_back({"options.fp64_retry", "false"});
     if (storage_.packs()) items.push_back({"options.factor_storage", precision_name(*storage_.format)});
     return items;

@@ -53,6 +53,7 @@ public:
     scalar* stage(scalar* data, std::size_t, transfer) noexcept { return data; }
     void complete() noexcept {}
     void follow(bool) noexcept {}
+    [[nodiscard]] bool direct() const noexcept { return true; }
     [[nodiscard]] std::size_t bytes_staged() const noexcept { return 0; }
 };
 
@@ -90,6 +91,9 @@ public:
     /// A communication policy that reads device memory (`comm_reads_device`) gets the device
     /// buffers themselves from stage(), and nothing is copied.
     void follow(bool comm_reads_device) noexcept { direct_ = comm_reads_device; }
+    /// Whether stage() hands out the device buffers themselves (received values are in place
+    /// as soon as a collective completes, not at complete()).
+    [[nodiscard]] bool direct() const noexcept { return direct_; }
 
     /// Payload bytes staged since construction (for tests and benchmarks).
     [[nodiscard]] std::size_t bytes_staged() const noexcept { return bytes_; }
