@@ -40,10 +40,12 @@ std::unique_ptr<gpu_preconditioner> make_gpu_preconditioner(
     return std::make_unique<gpu_kfac<kfac::comm::serial>>(opts, layers);
 }
 
+#ifdef USE_C10D_NCCL  // the NCCL tests' only (an engine instance fewer to build otherwise)
 std::unique_ptr<gpu_preconditioner> make_gpu_preconditioner(
     const kfac::options& opts, std::vector<std::pair<std::string, kfac::any_layer<float>>>& layers,
     kfac::comm::any comm) {
     return std::make_unique<gpu_kfac<kfac::comm::any>>(opts, layers, std::move(comm));
 }
+#endif
 
 }  // namespace kfac_test

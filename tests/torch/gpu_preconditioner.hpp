@@ -28,10 +28,12 @@ bool cuda_device_present();
 std::unique_ptr<gpu_preconditioner> make_gpu_preconditioner(
     const kfac::options& opts, std::vector<std::pair<std::string, kfac::any_layer<float>>>& layers);
 
+#ifdef USE_C10D_NCCL  // a LibTorch with NCCL (its torch_cuda target defines it for both TUs)
 /// The same over `comm` (a KFAC<backend::cuda<float>, kfac::comm::any>): a transport the CUDA
 /// translation unit cannot see, such as a process group over NCCL.
 std::unique_ptr<gpu_preconditioner> make_gpu_preconditioner(
     const kfac::options& opts, std::vector<std::pair<std::string, kfac::any_layer<float>>>& layers,
     kfac::comm::any comm);
+#endif
 
 }  // namespace kfac_test

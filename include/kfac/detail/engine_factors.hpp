@@ -240,29 +240,27 @@ void engine<Backend, CommPolicy, ComputeMethod>::average_layer(std::size_t i, co
     const double decay = plan.factor_decay;
     const auto xi = static_cast<scalar_type>(decay);
     auto& l = layers_[i];
-    {
-        if (!l.role.holds_factors) return;
-        if (count == 0.0) return;  // applied on no rank in this step: no data, no decay
-        if (!l.block->statistic_finite(l.statistics)) {
-            outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
-            return;
-        }
-        double& w = l.state.statistics_weight;
-        storage_.widen(l.state);
-        if (options_.averaging == factor_averaging::bias_corrected) {
-            // F = R/W: F ← (ξW·F + (1 − ξ)F̂) / W', W' = ξW + (1 − ξ). Unknown W: F taken as a full average.
-            const double before = std::isnan(w) ? 1.0 : w;
-            const double after = std::min(1.0, decay * before + (1.0 - decay));
-            l.block->average(l.state, l.statistics, static_cast<scalar_type>(decay * before / after),
-                             static_cast<scalar_type>((1.0 - decay) / (after * count)));
-            w = after;
-        } else {
-            l.block->average(l.state, l.statistics, xi, static_cast<scalar_type>((1.0 - decay) / count));
-            w = decay * w + (1.0 - decay);
-            if (w > 1.0) w = 1.0;  // W ≤ 1 whatever the rounding (a checkpoint checks it); NaN stays unknown
-        }
-        storage_.store(l.state);
+    if (!l.role.holds_factors) return;
+    if (count == 0.0) return;  // applied on no rank in this step: no data, no decay
+    if (!l.block->statistic_finite(l.statistics)) {
+        outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
+        return;
     }
+    double& w = l.state.statistics_weight;
+    storage_.widen(l.state);
+    if (options_.averaging == factor_averaging::bias_corrected) {
+        // F = R/W: F ← (ξW·F + (1 − ξ)F̂) / W', W' = ξW + (1 − ξ). Unknown W: F taken as a full average.
+        const double before = std::isnan(w) ? 1.0 : w;
+        const double after = std::min(1.0, decay * before + (1.0 - decay));
+        l.block->average(l.state, l.statistics, static_cast<scalar_type>(decay * before / after),
+                         static_cast<scalar_type>((1.0 - decay) / (after * count)));
+        w = after;
+    } else {
+        l.block->average(l.state, l.statistics, xi, static_cast<scalar_type>((1.0 - decay) / count));
+        w = decay * w + (1.0 - decay);
+        if (w > 1.0) w = 1.0;  // W ≤ 1 whatever the rounding (a checkpoint checks it); NaN stays unknown
+    }
+    storage_.store(l.state);
 }
 
 }  // namespace kfac::detail
