@@ -151,6 +151,11 @@ def main() -> int:
     context = dict(date=datetime.date.today().isoformat(), card=torch.cuda.get_device_name(0) if on_gpu else 'CPU',
                    torch=torch.__version__, cuda=torch.version.cuda, kfac_pytorch=kfac_pytorch_version(args.kfac_pytorch),
                    kfac=git.stdout.strip() or 'unknown')
+    print(f"Side by side on {context['card']}, {context['date']}: torch {context['torch']} (CUDA {context['cuda']}), "
+          f"kfac-pytorch {context['kfac_pytorch']}, kfac {context['kfac']}; float32, K-FAC time per step beyond "
+          f"forward + backward (ms, medians of {args.iterations})\n")
+    print('| workload | method | step | plain fwd+bwd | kfac-pytorch | kfac | kfac / kfac-pytorch | host syncs (kfac) |')
+    print('|---|---|---|---:|---:|---:|---:|---:|', flush=True)
     rows = []
     for path in args.model:
         batch, layers = read_model(path)
@@ -192,34 +197,36 @@ def main() -> int:
                 del precond, net
                 rows.append(dict(model=name, layers=len(layers), method=method, step='update' if update else 'non_update',
                                  plain_ms=base, kfac_pytorch_ms=theirs))
-        if not on_gpu:
-            continue
-        torch.cuda.empty_cache()
-        out = subprocess.run([args.bench_cuda, '--model', path, '--linear-only', '--eigen-sizes', '',
-                              '--iterations', str(args.iterations)], capture_output=True, text=True, check=True)
-        for line in out.stdout.splitlines():
-            if not line.startswith('{'):
+        if on_gpu:
+            torch.cuda.empty_cache()
+            add_ours(rows, name, path, args)
+        # Each model's rows as soon as they are measured: a run cut short keeps the finished ones.
+        for r in rows:
+            if r['model'] != name:
                 continue
-            r = json.loads(line)
-            if r.get('bench') != 'kfac_step' or not r.get('batched', True):
-                continue
-            for row in rows:
-                if row['model'] == name and row['method'] == r['method'] and row['step'] == r['step']:
-                    row.update(ours_ms=r['ms'], synchronizations=r['synchronizations'])
-    print(f"Side by side on {context['card']}, {context['date']}: torch {context['torch']} (CUDA {context['cuda']}), "
-          f"kfac-pytorch {context['kfac_pytorch']}, kfac {context['kfac']}; float32, K-FAC time per step beyond "
-          f"forward + backward (ms, medians of {args.iterations})\n")
-    print('| workload | method | step | plain fwd+bwd | kfac-pytorch | kfac | kfac / kfac-pytorch | host syncs (kfac) |')
-    print('|---|---|---|---:|---:|---:|---:|---:|')
-    for r in rows:
-        ours = r.get('ours_ms', float('nan'))
-        ratio = ours / r['kfac_pytorch_ms'] if r['kfac_pytorch_ms'] > 0 else float('nan')
-        print(f"| {r['model']} ({r['layers']} layers) | {r['method']} | {r['step']} | {r['plain_ms']:.2f} | "
-              f"{r['kfac_pytorch_ms']:.2f} | {ours:.2f} | {ratio:.2f} | {r.get('synchronizations', '')} |")
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(dict(context=context, rows=rows), f, indent=1)
+            ours = r.get('ours_ms', float('nan'))
+            ratio = ours / r['kfac_pytorch_ms'] if r['kfac_pytorch_ms'] > 0 else float('nan')
+            print(f"| {r['model']} ({r['layers']} layers) | {r['method']} | {r['step']} | {r['plain_ms']:.2f} | "
+                  f"{r['kfac_pytorch_ms']:.2f} | {ours:.2f} | {ratio:.2f} | {r.get('synchronizations', '')} |", flush=True)
+        if args.json:
+            with open(args.json, 'w') as f:
+                json.dump(dict(context=context, rows=rows), f, indent=1)
     return 0
+
+
+def add_ours(rows: list[dict], name: str, path: str, args: argparse.Namespace) -> None:
+    """bench_cuda's figures for one model file, into that model's rows."""
+    out = subprocess.run([args.bench_cuda, '--model', path, '--linear-only', '--eigen-sizes', '',
+                          '--iterations', str(args.iterations)], capture_output=True, text=True, check=True)
+    for line in out.stdout.splitlines():
+        if not line.startswith('{'):
+            continue
+        r = json.loads(line)
+        if r.get('bench') != 'kfac_step' or not r.get('batched', True):
+            continue
+        for row in rows:
+            if row['model'] == name and row['method'] == r['method'] and row['step'] == r['step']:
+                row.update(ours_ms=r['ms'], synchronizations=r['synchronizations'])
 
 
 if __name__ == '__main__':
