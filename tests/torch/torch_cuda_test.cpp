@@ -47,6 +47,16 @@ struct net_impl : nn::Module {
 };
 TORCH_MODULE_IMPL(net, net_impl);
 
+/// `model`'s layers tracked under `prefix`, as the CUDA translation unit receives them.
+std::vector<std::pair<std::string, kfac::any_layer<float>>> tracked_layers(kfac::torch::tracker<float>& tracker,
+                                                                           const net& model, const kfac::options& opts,
+                                                                           const std::string& prefix) {
+    std::vector<std::pair<std::string, kfac::any_layer<float>>> layers;
+    for (auto* l : kfac::torch::track_modules(tracker, model, opts, prefix).layers)
+        layers.emplace_back(l->name(), kfac::any_layer<float>(*l));  // the tracker owns the tracked layers
+    return layers;
+}
+
 }  // namespace
 
 TEST_CASE("a CUDA model through backend::cuda preconditions as the CPU model through the CPU backend", "[torch][cuda]") {
@@ -64,10 +74,8 @@ TEST_CASE("a CUDA model through backend::cuda preconditions as the CPU model thr
     kfac::torch::tracker<float> tracker;  // observes both models (same thread)
     kfac::KFAC<> cpu_precond(opts);
     REQUIRE(kfac::torch::register_modules(cpu_precond, tracker, on_cpu, "cpu").size() == 2);
-    auto tracked = kfac::torch::track_modules(tracker, on_gpu, opts, "gpu");
-    REQUIRE(tracked.layers.size() == 2);
-    std::vector<std::pair<std::string, kfac::any_layer<float>>> layers;
-    for (auto* l : tracked.layers) layers.emplace_back(l->name(), kfac::any_layer<float>(*l));
+    auto layers = tracked_layers(tracker, on_gpu, opts, "gpu");
+    REQUIRE(layers.size() == 2);
     auto gpu_precond = kfac_test::make_gpu_preconditioner(opts, layers);
 
     for (int step = 0; step < 4; ++step) {
@@ -161,11 +169,8 @@ TEST_CASE("NCCL: the CUDA backend over a process group (comm::any) preconditions
     a->to(torch::kCUDA);
     b->to(torch::kCUDA);
     kfac::torch::tracker<float> tracker;
-    auto tracked_a = kfac::torch::track_modules(tracker, a, opts, "a");
-    auto tracked_b = kfac::torch::track_modules(tracker, b, opts, "b");
-    std::vector<std::pair<std::string, kfac::any_layer<float>>> layers_a, layers_b;
-    for (auto* l : tracked_a.layers) layers_a.emplace_back(l->name(), kfac::any_layer<float>(*l));
-    for (auto* l : tracked_b.layers) layers_b.emplace_back(l->name(), kfac::any_layer<float>(*l));
+    auto layers_a = tracked_layers(tracker, a, opts, "a");
+    auto layers_b = tracked_layers(tracker, b, opts, "b");
     nccl_world w;
     auto over_serial = kfac_test::make_gpu_preconditioner(opts, layers_a);
     auto over_nccl = kfac_test::make_gpu_preconditioner(opts, layers_b, kfac::comm::any(w.policy()));

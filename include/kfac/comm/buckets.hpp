@@ -2,14 +2,15 @@
 #pragma once
 /// @file buckets.hpp
 /// The bucketed allreduce's layout, shared by every transport (kfac/comm/mpi.hpp,
-/// kfac/comm/c10d.hpp): which items travel together, and how an item is packed into a bucket
-/// (whole, or a symmetric matrix's lower triangle) and unpacked from it. The transport only
-/// moves the buckets, so two transports given the same items send the same bytes.
+/// kfac/comm/process_group.hpp): which items travel together, and how an item is packed into
+/// a bucket (whole, or a symmetric matrix's lower triangle) and unpacked from it. The transport
+/// only moves the buckets, so two transports given the same items send the same bytes.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <utility>
 #include <vector>
 
@@ -99,14 +100,36 @@ void unpack_bucket(const std::vector<allreduce_item<T>>& items, const bucket& b,
     }
 }
 
-/// Copies every item back out of `buffer`.
+/// allreduce_sum_each's shortcut: with no items, or a group of one rank, nothing travels and
+/// every item has landed already (`landed` is told so once). True when so.
 template <class T>
-void unpack_items(const std::vector<allreduce_item<T>>& items, bool pack_symmetric, const T* buffer) {
-    for (const auto& it : items) {
-        if (pack_symmetric && it.symmetric) unpack_lower(buffer, it.dim, it.data);
-        else std::memcpy(it.data, buffer, sizeof(T) * it.count);
-        buffer += packed_count(it, pack_symmetric);
-    }
+bool landed_without_sending(const std::vector<allreduce_item<T>>& items, int group_size, const bucket_landed& landed) {
+    if (!items.empty() && group_size > 1) return false;
+    if (!items.empty() && landed) landed(0, items.size());
+    return true;
 }
+
+/// allreduce_sum_each's calls of `landed` (kfac/comm/serial.hpp's contract): one after each
+/// completed bucket until a call throws; that exception is raised by finish(), which the
+/// transport calls once every bucket has completed, so no collective is left pending.
+class landing_calls {
+public:
+    explicit landing_calls(const bucket_landed& landed) : landed_(landed) {}
+    void after(const bucket& b) {
+        if (!landed_ || failure_) return;
+        try {
+            landed_(b.first, b.last);
+        } catch (...) {
+            failure_ = std::current_exception();
+        }
+    }
+    void finish() const {
+        if (failure_) std::rethrow_exception(failure_);
+    }
+
+private:
+    const bucket_landed& landed_;
+    std::exception_ptr failure_;
+};
 
 }  // namespace kfac::comm::detail

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -120,11 +119,7 @@ public:
     template <class T>
     void allreduce_sum_each(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes, bool pack_symmetric,
                             const group& g, const bucket_landed& landed) {
-        if (items.empty()) return;
-        if (g.size <= 1) {
-            if (landed) landed(0, items.size());
-            return;
-        }
+        if (detail::landed_without_sending(items, g.size, landed)) return;
         // One bucket buffer per communicator, reused across steps (keyed by identity).
         auto& buffer = bucket_storage<T>(g.comm);
         const std::vector<detail::bucket> buckets = detail::plan_buckets(items, cap_bytes, pack_symmetric);
@@ -142,21 +137,16 @@ public:
             ++state_->counters.allreduce_calls;
             state_->counters.allreduce_bytes += static_cast<std::int64_t>(n * sizeof(T));
         }
-        std::exception_ptr failure;
+        detail::landing_calls calls(landed);
         for (std::size_t b = 0; b < buckets.size(); ++b) {
             const double start = MPI_Wtime();
             detail::wait_one(requests[b], "MPI_Iallreduce");
             state_->counters.allreduce_wait_seconds += MPI_Wtime() - start;
             detail::unpack_bucket(items, buckets[b], pack_symmetric, buffer.data());
-            if (!landed || failure) continue;
-            try {
-                landed(buckets[b].first, buckets[b].last);
-            } catch (...) {
-                failure = std::current_exception();
-            }
+            calls.after(buckets[b]);
         }
         requests.clear();
-        if (failure) std::rethrow_exception(failure);
+        calls.finish();
     }
 
     template <class T>

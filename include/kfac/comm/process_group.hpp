@@ -173,11 +173,7 @@ public:
     template <class T>
     void allreduce_sum_each(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes, bool pack_symmetric,
                             const group& g, const bucket_landed& landed) {
-        if (items.empty()) return;
-        if (g.size <= 1) {
-            if (landed) landed(0, items.size());
-            return;
-        }
+        if (detail::landed_without_sending(items, g.size, landed)) return;
         const std::vector<detail::bucket> buckets = detail::plan_buckets(items, cap_bytes, pack_symmetric);
         if (state_->device_payloads) return allreduce_on_device(items, buckets, pack_symmetric, g, landed);
         auto& buffer = bucket_storage<T>(g.pg.get());
@@ -199,13 +195,7 @@ public:
     template <class T>
     void broadcast(T* data, std::size_t count, int root, const group& g) {
         if (g.size <= 1 || count == 0) return;
-        std::vector<at::Tensor> tensors{payload_tensor(data, count)};
-        ::c10d::BroadcastOptions o;
-        o.rootRank = root;
-        const auto stream = on_payload_stream();
-        state_->pending.push_back(start("a broadcast", [&] { return g.pg->broadcast(tensors, o); }));
-        ++state_->counters.broadcast_calls;
-        state_->counters.broadcast_bytes += static_cast<std::int64_t>(count * sizeof(T));
+        start_broadcast(payload_tensor(data, count), count * sizeof(T), root, g);
     }
 
     /// A broadcast of values in host memory whatever the payloads' memory (checkpoints): through
@@ -214,14 +204,9 @@ public:
     void broadcast_host(T* data, std::size_t count, int root, const group& g) {
         if (!reads_device_memory()) return broadcast(data, count, root, g);
         if (g.size <= 1 || count == 0) return;
-        std::vector<at::Tensor> tensors{control_tensor(data, count)};
-        state_->copy_back.push_back({tensors[0], detail::host_tensor(data, count)});
-        ::c10d::BroadcastOptions o;
-        o.rootRank = root;
-        const auto stream = on_payload_stream();
-        state_->pending.push_back(start("a broadcast", [&] { return g.pg->broadcast(tensors, o); }));
-        ++state_->counters.broadcast_calls;
-        state_->counters.broadcast_bytes += static_cast<std::int64_t>(count * sizeof(T));
+        at::Tensor on_device = control_tensor(data, count);
+        state_->copy_back.push_back({on_device, detail::host_tensor(data, count)});
+        start_broadcast(std::move(on_device), count * sizeof(T), root, g);
     }
 
     void wait() {
@@ -313,6 +298,18 @@ private:
         }
     }
 
+    /// Starts a broadcast of `tensor` (`bytes` of payload) from group rank `root`, completed at
+    /// wait().
+    void start_broadcast(at::Tensor tensor, std::size_t bytes, int root, const group& g) {
+        std::vector<at::Tensor> tensors{std::move(tensor)};
+        ::c10d::BroadcastOptions o;
+        o.rootRank = root;
+        const auto stream = on_payload_stream();
+        state_->pending.push_back(start("a broadcast", [&] { return g.pg->broadcast(tensors, o); }));
+        ++state_->counters.broadcast_calls;
+        state_->counters.broadcast_bytes += static_cast<std::int64_t>(bytes);
+    }
+
     /// Bucketed allreduce of payloads in a device's memory: each bucket packed there, reduced
     /// in place, and unpacked once every bucket has completed.
     template <class T>
@@ -339,7 +336,7 @@ private:
     template <class Unpack>
     void complete_in_order(std::vector<c10::intrusive_ptr<::c10d::Work>>& works,
                            const std::vector<detail::bucket>& buckets, const bucket_landed& landed, Unpack&& unpack) {
-        std::exception_ptr failure;
+        detail::landing_calls calls(landed);
         for (std::size_t i = 0; i < buckets.size(); ++i) {
             std::vector<c10::intrusive_ptr<::c10d::Work>> one{std::move(works[i])};
             const auto start = std::chrono::steady_clock::now();
@@ -347,15 +344,10 @@ private:
             state_->counters.allreduce_wait_seconds +=
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
             unpack(buckets[i], i);
-            if (!landed || failure) continue;
-            try {
-                landed(buckets[i].first, buckets[i].last);
-            } catch (...) {
-                failure = std::current_exception();
-            }
+            calls.after(buckets[i]);
         }
         works.clear();
-        if (failure) std::rethrow_exception(failure);
+        calls.finish();
     }
 
     /// A payload as a tensor over its memory (host or the payloads' device).
