@@ -126,6 +126,7 @@ if(KFAC_HAS_C10D)
   kfac_add_engines(kfac_engines_process_group cpu_eigen process_group "\"kfac/kfac.hpp\""
                    "\"kfac/comm/process_group_gloo.hpp\"")
   target_link_libraries(kfac_engines_process_group PUBLIC kfac::c10d kfac_engines)
+  kfac_torch_precompiled(kfac_engines_process_group)
 endif()
 
 # kfac_add_cuda_engines(<target>): backend::cuda<float|double> x comm::serial x both methods,

@@ -7,11 +7,13 @@
 //
 //   summary optimizer=kfac model=cnn epochs=4 test_accuracy=0.9123 seconds=98.7
 //
-// Built a second time as kfac_fashion_mnist_mpi (KFAC_EXAMPLE_MPI): data-parallel over MPI
-// ranks, `mpiexec -n 2 kfac_fashion_mnist_mpi --strategy hybrid_opt`; and a third time as
-// kfac_fashion_mnist_gloo (KFAC_EXAMPLE_GLOO): data-parallel over a LibTorch Gloo process group,
-// the gradients averaged and K-FAC distributed over the same group, its ranks started as
-// torch's launchers start them or by mpiexec (examples/common/gloo_world.hpp). Each rank takes a slice
+// The same program under two more names (links the build makes beside it), data-parallel:
+// kfac_fashion_mnist_mpi over MPI ranks (when built with MPI, KFAC_EXAMPLE_MPI),
+// `mpiexec -n 2 kfac_fashion_mnist_mpi --strategy hybrid_opt`; and kfac_fashion_mnist_gloo over
+// a LibTorch Gloo process group (KFAC_EXAMPLE_GLOO), the gradients averaged and K-FAC
+// distributed over the same group, its ranks started as torch's launchers start them or by
+// mpiexec (examples/common/gloo_world.hpp). The name it is started under picks the transport
+// (one program rather than three builds of it: LibTorch's headers make each build long). Each rank takes a slice
 // of every minibatch; its loss is the mean over its slice (what per-example statistics assume)
 // and its gradients, weighted by the slice's share, sum over the ranks to the minibatch's mean
 // loss's, so the gradients and the K-FAC factors averaged over the ranks are those of one
@@ -62,9 +64,6 @@
 #ifdef KFAC_EXAMPLE_GLOO
 #include "gloo_world.hpp"
 #endif
-#if defined(KFAC_EXAMPLE_MPI) || defined(KFAC_EXAMPLE_GLOO)
-#define KFAC_EXAMPLE_DISTRIBUTED 1
-#endif
 
 #include "cli.hpp"
 #include "fashion_mnist_dataset.hpp"
@@ -82,59 +81,113 @@ namespace F = torch::nn::functional;
 
 constexpr int exit_skip = 77;  // the data set is missing (CTest's SKIP_RETURN_CODE)
 
-#if defined(KFAC_EXAMPLE_MPI)
-using cpu_preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::mpi>;
-constexpr const char* program = "kfac_fashion_mnist_mpi";
-#elif defined(KFAC_EXAMPLE_GLOO)
-using cpu_preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::process_group>;
-constexpr const char* program = "kfac_fashion_mnist_gloo";
-#else
-using cpu_preconditioner = kfac::KFAC<kfac::backend::cpu_eigen<float>>;
-constexpr const char* program = "kfac_fashion_mnist";
+/// How this process reaches the others: alone, over MPI or over a Gloo process group, by the
+/// name it was started under (kfac_fashion_mnist, kfac_fashion_mnist_mpi,
+/// kfac_fashion_mnist_gloo; the latter two only in builds with MPI or LibTorch's Gloo).
+enum class transport { single, mpi, gloo };
+
+const char* program = "kfac_fashion_mnist";  // the name it was started under, for messages
+
+transport transport_of(const std::string& name) {
+    const auto ends_with = [&](const std::string& tail) {
+        return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+    };
+#ifdef KFAC_EXAMPLE_MPI
+    if (ends_with("_mpi")) return transport::mpi;
 #endif
+#ifdef KFAC_EXAMPLE_GLOO
+    if (ends_with("_gloo")) return transport::gloo;
+#endif
+    (void)ends_with;  // (a build with neither)
+    return transport::single;
+}
+
+using cpu_backend = kfac::backend::cpu_eigen<float>;
 
 // ---------------------------------------------------------------------------------------
 // The processes of a run: one, or the MPI ranks or Gloo processes of a data-parallel run.
 
 struct processes {
     int rank = 0, size = 1;
-#if defined(KFAC_EXAMPLE_GLOO)
-    processes() : world(join_gloo_world()), comm(world.kfac_comm()) {
-        rank = world.pg->getRank();
-        size = world.pg->getSize();
+    explicit processes(transport t) : how(t) {
+#ifdef KFAC_EXAMPLE_GLOO
+        if (how == transport::gloo) {
+            world.emplace(join_gloo_world());
+            gloo_comm.emplace(world->kfac_comm());
+            rank = world->pg->getRank();
+            size = world->pg->getSize();
+        }
+#endif
+#ifdef KFAC_EXAMPLE_MPI
+        if (how == transport::mpi) {
+            MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+            MPI_Comm_size(MPI_COMM_WORLD, &size);
+            mpi_comm.emplace();
+        }
+#endif
     }
-    void sum(std::vector<double>& v) const { sum_tensor(torch::from_blob(v.data(), {static_cast<std::int64_t>(v.size())}, torch::kDouble)); }
-    void sum(float* v, std::size_t n) const { sum_tensor(torch::from_blob(v, {static_cast<std::int64_t>(n)}, torch::kFloat)); }
-    void sum_tensor(const torch::Tensor& t) const {
-        std::vector<torch::Tensor> tensors{t};
-        world.pg->allreduce(tensors)->wait();
-    }
-    std::optional<std::string> agree(std::optional<std::string> failure) const { return comm.agree(failure); }
-    /// The preconditioner's policy over the same process group as the gradients' averaging.
-    [[nodiscard]] kfac::comm::process_group kfac_comm() const { return world.kfac_comm(); }
-    gloo_world world;
-    mutable kfac::comm::process_group comm;
-#elif defined(KFAC_EXAMPLE_MPI)
-    processes() {
-        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        MPI_Comm_size(MPI_COMM_WORLD, &size);
-    }
+    [[nodiscard]] bool distributed() const { return how != transport::single; }
+    [[nodiscard]] bool leader() const { return rank == 0; }
+
     void sum(std::vector<double>& v) const {
-        MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+#ifdef KFAC_EXAMPLE_GLOO
+        if (how == transport::gloo)
+            sum_tensor(torch::from_blob(v.data(), {static_cast<std::int64_t>(v.size())}, torch::kDouble));
+#endif
+#ifdef KFAC_EXAMPLE_MPI
+        if (how == transport::mpi)
+            MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+#endif
+        (void)v;
     }
     void sum(float* v, std::size_t n) const {
-        MPI_Allreduce(MPI_IN_PLACE, v, static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+#ifdef KFAC_EXAMPLE_GLOO
+        if (how == transport::gloo) sum_tensor(torch::from_blob(v, {static_cast<std::int64_t>(n)}, torch::kFloat));
+#endif
+#ifdef KFAC_EXAMPLE_MPI
+        if (how == transport::mpi) MPI_Allreduce(MPI_IN_PLACE, v, static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+#endif
+        (void)v, (void)n;
     }
     /// The first failure on any rank, on every rank (none waits for a failed one).
-    std::optional<std::string> agree(std::optional<std::string> failure) const { return comm.agree(failure); }
-    [[nodiscard]] kfac::comm::mpi kfac_comm() const { return kfac::comm::mpi(); }
-    mutable kfac::comm::mpi comm;
-#else
-    void sum(std::vector<double>&) const {}
-    void sum(float*, std::size_t) const {}
-    std::optional<std::string> agree(std::optional<std::string> failure) const { return failure; }
+    std::optional<std::string> agree(std::optional<std::string> failure) const {
+#ifdef KFAC_EXAMPLE_GLOO
+        if (how == transport::gloo) return gloo_comm->agree(failure);
 #endif
-    [[nodiscard]] bool leader() const { return rank == 0; }
+#ifdef KFAC_EXAMPLE_MPI
+        if (how == transport::mpi) return mpi_comm->agree(failure);
+#endif
+        return failure;
+    }
+    /// A preconditioner on the CPU backend whose policy spans these processes (over a Gloo
+    /// world, the same process group as the gradients' averaging).
+    [[nodiscard]] std::unique_ptr<kfac_handle> cpu_preconditioner(const kfac::options& opts) const {
+#ifdef KFAC_EXAMPLE_GLOO
+        if (how == transport::gloo)
+            return std::make_unique<held_kfac<kfac::KFAC<cpu_backend, kfac::comm::process_group>>>(
+                "cpu_eigen<float>", opts, world->kfac_comm());
+#endif
+#ifdef KFAC_EXAMPLE_MPI
+        if (how == transport::mpi)
+            return std::make_unique<held_kfac<kfac::KFAC<cpu_backend, kfac::comm::mpi>>>("cpu_eigen<float>", opts,
+                                                                                          kfac::comm::mpi());
+#endif
+        return make_cpu_kfac(opts);
+    }
+
+private:
+    transport how;
+#ifdef KFAC_EXAMPLE_GLOO
+    void sum_tensor(const torch::Tensor& t) const {
+        std::vector<torch::Tensor> tensors{t};
+        world->pg->allreduce(tensors)->wait();
+    }
+    std::optional<gloo_world> world;
+    mutable std::optional<kfac::comm::process_group> gloo_comm;
+#endif
+#ifdef KFAC_EXAMPLE_MPI
+    mutable std::optional<kfac::comm::mpi> mpi_comm;
+#endif
 };
 
 /// Runs `work` on every rank and raises the first failure on all of them.
@@ -221,7 +274,7 @@ void model_defaults(settings& s, bool reference) {
     }
 }
 
-void usage() {
+void usage(bool distributed) {
     std::printf(
         "usage: %s [options]\n"
         "Trains a LibTorch model on Fashion-MNIST with SGD+momentum and with SGD+momentum on K-FAC\n"
@@ -258,14 +311,13 @@ void usage() {
         "  --stop-after N         stop after epoch N (to resume later)\n"
         "  --train-limit N, --test-limit N   use only the first N images (tests)\n"
         "  --expect-accuracy X    exit 1 unless every optimizer's final test accuracy is >= X\n"
-#ifdef KFAC_EXAMPLE_DISTRIBUTED
-        "  --strategy S           comm_opt, hybrid_opt, mem_opt or dp_kfac (default comm_opt)\n"
-#endif
+        "%s"
         "exit status: 0 done, 1 error or expectation not met, 2 usage, 77 data set not found\n",
-        program, fashion_mnist::default_dir().c_str());
+        program, fashion_mnist::default_dir().c_str(),
+        distributed ? "  --strategy S           comm_opt, hybrid_opt, mem_opt or dp_kfac (default comm_opt)\n" : "");
 }
 
-settings read_settings(int argc, char** argv, bool& help) {
+settings read_settings(int argc, char** argv, bool& help, bool distributed) {
     cli args(argc, argv, {"help", "no-plot", "relative-damping", "reference"});
     help = args.flag("help");
     settings s;
@@ -329,11 +381,11 @@ settings read_settings(int argc, char** argv, bool& help) {
     s.train_limit = static_cast<std::size_t>(args.integer("train-limit", 0));
     s.test_limit = static_cast<std::size_t>(args.integer("test-limit", 0));
     if (args.text("expect-accuracy")) s.expect_accuracy = args.number("expect-accuracy", 0.0);
-#ifdef KFAC_EXAMPLE_DISTRIBUTED
-    s.strategy = args.text("strategy", s.strategy);
-    if (s.strategy != "comm_opt" && s.strategy != "hybrid_opt" && s.strategy != "mem_opt" && s.strategy != "dp_kfac")
-        throw cli_error("--strategy must be comm_opt, hybrid_opt, mem_opt or dp_kfac, not '" + s.strategy + "'");
-#endif
+    if (distributed) {  // (alone, --strategy is an unknown option)
+        s.strategy = args.text("strategy", s.strategy);
+        if (s.strategy != "comm_opt" && s.strategy != "hybrid_opt" && s.strategy != "mem_opt" && s.strategy != "dp_kfac")
+            throw cli_error("--strategy must be comm_opt, hybrid_opt, mem_opt or dp_kfac, not '" + s.strategy + "'");
+    }
     args.finish();
     if (s.epochs < 1 || s.batch < 1 || s.threads < 0 || s.stop_after < 0)
         throw cli_error("--epochs and --batch must be positive, --threads and --stop-after not negative");
@@ -459,15 +511,15 @@ public:
         opts.lr = [lr0, steps_total, warmup = warmup_steps(steps_total)](std::int64_t k) {
             return scheduled_lr(lr0, k, steps_total, warmup);
         };
-#ifdef KFAC_EXAMPLE_DISTRIBUTED
-        if (settings_.strategy == "comm_opt") opts.grad_worker_fraction = kfac::comm_opt;
-        else if (settings_.strategy == "hybrid_opt") opts.grad_worker_fraction = kfac::hybrid_opt;
-        else if (settings_.strategy == "mem_opt") opts.grad_worker_fraction = kfac::mem_opt;
-        else opts.strategy = kfac::distribution::dp_kfac;
-        precond_ = std::make_unique<held_kfac<cpu_preconditioner>>("cpu_eigen<float>", opts, procs_.kfac_comm());
-#else
-        precond_ = make_kfac(opts, settings_.device == "cuda");
-#endif
+        if (procs_.distributed()) {
+            if (settings_.strategy == "comm_opt") opts.grad_worker_fraction = kfac::comm_opt;
+            else if (settings_.strategy == "hybrid_opt") opts.grad_worker_fraction = kfac::hybrid_opt;
+            else if (settings_.strategy == "mem_opt") opts.grad_worker_fraction = kfac::mem_opt;
+            else opts.strategy = kfac::distribution::dp_kfac;
+            precond_ = procs_.cpu_preconditioner(opts);
+        } else {
+            precond_ = make_kfac(opts, settings_.device == "cuda");
+        }
         // kfac's layer tasks run on opts.threads threads with one BLAS thread each. A BLAS call
         // on several threads would leave OpenBLAS's workers spinning after the step, taking
         // the cores from LibTorch's next forward pass (an epoch took 2.7× as long).
@@ -681,7 +733,7 @@ private:
     fashion::classifier model_;
     std::unique_ptr<torch::optim::SGD> optimizer_;
     std::unique_ptr<kfac::torch::grad_scaler> scaler_;  // --precision fp16 (before precond_: outlives it)
-    std::optional<cpu_preconditioner::backend_type::serial_blas_scope> one_blas_thread_;
+    std::optional<cpu_backend::serial_blas_scope> one_blas_thread_;
     std::unique_ptr<kfac::torch::tracker<float>> tracker_;  // before precond_: destroyed after it
     std::unique_ptr<kfac_handle> precond_;
     std::int64_t step_ = 0;
@@ -725,14 +777,14 @@ std::string hms(double seconds) {
     return s;
 }
 
-int main_body(int argc, char** argv) {
-    processes procs;
+int main_body(int argc, char** argv, transport how) {
+    processes procs(how);
     settings s;
     try {
         bool help = false;
-        s = read_settings(argc, argv, help);
+        s = read_settings(argc, argv, help, procs.distributed());
         if (help) {
-            if (procs.leader()) usage();
+            if (procs.leader()) usage(procs.distributed());
             return 0;
         }
     } catch (const cli_error& e) {
@@ -741,9 +793,9 @@ int main_body(int argc, char** argv) {
     }
     if (s.device == "cuda") {
         const char* why = nullptr;
-        if (!built_with_cuda || procs.size > 1)
-            why = "was built without nvcc or runs in several processes: --device cuda needs the CUDA toolkit at "
-                  "configure time (kfac::cuda) and one process";
+        if (!built_with_cuda || procs.distributed())
+            why = "was built without nvcc or runs data-parallel: --device cuda needs the CUDA toolkit at "
+                  "configure time (kfac::cuda) and one process (kfac_fashion_mnist)";
         else if (!torch::cuda::is_available())
             why = "sees no CUDA device through LibTorch (Debian's LibTorch is CPU-only): build against a LibTorch "
                   "with CUDA, as README.md's 'LibTorch on a GPU' says, on a machine with a GPU";
@@ -925,19 +977,24 @@ int main_body(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+    static const std::string name = fs::path(argc > 0 ? argv[0] : "kfac_fashion_mnist").filename().string();
+    program = name.c_str();
+    const transport how = transport_of(name);
 #ifdef KFAC_EXAMPLE_MPI
-    MPI_Init(&argc, &argv);
+    if (how == transport::mpi) MPI_Init(&argc, &argv);
 #endif
     int status = 1;
     try {
-        status = main_body(argc, argv);
+        status = main_body(argc, argv, how);
     } catch (const std::exception& e) {  // kfac::error names the layer and the fix
         std::fprintf(stderr, "%s: %s\n", program, e.what());
     }
 #ifdef KFAC_EXAMPLE_MPI
-    // A rank that failed alone would leave the others waiting: end them all.
-    if (status == 1) MPI_Abort(MPI_COMM_WORLD, 1);
-    MPI_Finalize();
+    if (how == transport::mpi) {
+        // A rank that failed alone would leave the others waiting: end them all.
+        if (status == 1) MPI_Abort(MPI_COMM_WORLD, 1);
+        MPI_Finalize();
+    }
 #endif
     return status;
 }
