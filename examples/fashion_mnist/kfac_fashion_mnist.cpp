@@ -13,11 +13,11 @@
 // a LibTorch Gloo process group (KFAC_EXAMPLE_GLOO), the gradients averaged and K-FAC
 // distributed over the same group, its ranks started as torch's launchers start them or by
 // mpiexec (examples/common/gloo_world.hpp). The name it is started under picks the transport
-// (one program rather than three builds of it: LibTorch's headers make each build long). Each rank takes a slice
-// of every minibatch; its loss is the mean over its slice (what per-example statistics assume)
-// and its gradients, weighted by the slice's share, sum over the ranks to the minibatch's mean
-// loss's, so the gradients and the K-FAC factors averaged over the ranks are those of one
-// process (BatchNorm's batch statistics excepted: each rank normalizes its own slice).
+// (one program rather than three builds of it: LibTorch's headers make each build long).
+// Each rank takes a slice of every minibatch; its loss is the mean over its slice (what
+// per-example statistics assume) and its gradients, weighted by the slice's share, sum over
+// the ranks to the minibatch's mean loss's, so the gradients and the K-FAC factors averaged
+// over the ranks are those of one process (BatchNorm's batch statistics excepted: each rank normalizes its own slice).
 //
 // K-FAC runs with the curvature modes per-example statistics and bias-corrected averaging, and
 // a KL clip annealed with the learning rate (--reference: kfac-pytorch's K-FAC); after every
@@ -89,16 +89,13 @@ enum class transport { single, mpi, gloo };
 const char* program = "kfac_fashion_mnist";  // the name it was started under, for messages
 
 transport transport_of(const std::string& name) {
-    const auto ends_with = [&](const std::string& tail) {
-        return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
-    };
 #ifdef KFAC_EXAMPLE_MPI
-    if (ends_with("_mpi")) return transport::mpi;
+    if (name.ends_with("_mpi")) return transport::mpi;
 #endif
 #ifdef KFAC_EXAMPLE_GLOO
-    if (ends_with("_gloo")) return transport::gloo;
+    if (name.ends_with("_gloo")) return transport::gloo;
 #endif
-    (void)ends_with;  // (a build with neither)
+    (void)name;  // (a build with neither)
     return transport::single;
 }
 
