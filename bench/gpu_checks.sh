@@ -17,8 +17,8 @@
 #
 # `run` runs, in order, and stops at nothing (each step's status is collected, the script's
 # exit status is the number of failed steps):
-#   1. the CUDA suite: kfac_cuda_tests (backend calls, whole preconditioners) and
-#      kfac_cuda_kinds_tests (every layer kind against the CPU backend);
+#   1. the CUDA suite: kfac_cuda_tests, its backend cases (backend calls, whole
+#      preconditioners) and its layer kinds' cases (every layer kind against the CPU backend);
 #   2. kfac_replay_cuda on every golden case of tests/data/golden, in double and in float;
 #   3. the LibTorch CUDA programs, configured against the Python torch's LibTorch
 #      (torch.utils.cmake_prefix_path) when CMake, Eigen and the torch package are there:
@@ -29,7 +29,7 @@
 #   5. bench/side_by_side_gpu.py: kfac-pytorch against bench_cuda on ResNet-50 at batch 32 and
 #      the BERT-base-like stack at 32 × 128.
 #   Checks of numbers first, timings last: a call cut short by its time limit keeps the former.
-#   (Step 1's kfac_cuda_kinds_tests holds the mixed-precision GPU checks: bf16 device views
+#   (Step 1's layer kinds' cases hold the mixed-precision GPU checks: bf16 device views
 #   against the CPU backend under a loss scale, fp64 decompositions.)
 # Logs and JSON lines go to $OUT when set (the device tool's output folder), else DIR/results.
 set -uo pipefail
@@ -46,7 +46,7 @@ pack() {
     # compare with runs on Eigen alone there.
     cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKFAC_ENABLE_MPI=OFF -DKFAC_ENABLE_LAPACK=OFF \
         -DKFAC_BUILD_EXAMPLES=OFF "-DCMAKE_CUDA_ARCHITECTURES=90-real;75-virtual" || return 1
-    local targets=(kfac_cuda_tests kfac_cuda_kinds_tests kfac_replay_cuda bench_cuda)
+    local targets=(kfac_cuda_tests kfac_replay_cuda bench_cuda)
     cmake --build build-gpu --target "${targets[@]}" || return 1
     for t in "${targets[@]}"; do cp "$(find build-gpu -type f -name "$t" -perm -u+x | head -1)" "$stage/bin/"; done
     strip "$stage"/bin/*
@@ -92,8 +92,8 @@ run() {
         else echo "=== $name: FAILED (exit $rc)"; failed=$((failed + 1)); fi
     }
     command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-    step cuda_backend "$stage/bin/kfac_cuda_tests"
-    step cuda_layer_kinds "$stage/bin/kfac_cuda_kinds_tests"
+    step cuda_backend "$stage/bin/kfac_cuda_tests" -# "[#cuda_backend_test]"
+    step cuda_layer_kinds "$stage/bin/kfac_cuda_tests" -# "[#cuda_layer_kinds_test]"
     for case_dir in tests/data/golden/*/; do
         for precision in double float; do
             step "replay_cuda.$(basename "$case_dir").$precision" "$stage/bin/kfac_replay_cuda" "$case_dir" "--$precision"

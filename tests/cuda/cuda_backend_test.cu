@@ -1,8 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // backend::cuda on a GPU, against backend::cpu_eigen: every backend call, whole
 // preconditioners over several steps (both compute methods, host and device views, kl_clip),
-// and the errors. Without a CUDA device the program prints why and exits 77, which CTest
-// reports as skipped.
+// and the errors. Compiled in gpu_tests.cu, the GPU test program's one translation unit.
 
 #include <catch2/catch.hpp>
 
@@ -266,5 +265,3 @@ TEST_CASE("a CUDA preconditioner saves and loads the state a CPU one has", "[cud
 }
 
 }  // namespace
-
-int main(int argc, char** argv) { return kfac_test::run_gpu_tests(argc, argv); }

@@ -3,8 +3,8 @@
 // same inputs: Linear and Conv2d under `reduce`, Conv1d, grouped and depthwise convolutions,
 // an Embedding, LayerNorm and BatchNorm (with and without shift, both weight sharings); both
 // compute methods, host and device views, gradient accumulation, eigenbasis reuse, and
-// checkpoints written on one backend and read on the other. Without a CUDA device the program
-// exits 77 (CTest: skipped).
+// checkpoints written on one backend and read on the other. Compiled in gpu_tests.cu, the GPU
+// test program's one translation unit.
 
 #include <catch2/catch.hpp>
 
@@ -333,5 +333,3 @@ TEST_CASE("fp64 decompositions on the GPU equal the CPU's", "[cuda][precision]")
 }
 
 }  // namespace
-
-int main(int argc, char** argv) { return kfac_test::run_gpu_tests(argc, argv); }
