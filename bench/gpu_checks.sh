@@ -43,9 +43,12 @@ pack() {
     rm -rf "$dir" && mkdir -p "$stage/bin" "$stage/lib" "$stage/prefix"
     grep -qxF "/$dir" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "/$dir" >> .git/info/exclude; }
     # No MPI (the GPU machine's may differ) and no OpenBLAS (24 MB): the CPU backend the tests
-    # compare with runs on Eigen alone there.
+    # compare with runs on Eigen alone there. The build type's -O3 for the engines and
+    # bench_cuda, whose figures step 4 reports (a build with the tests otherwise compiles them at
+    # -O1, and bench_cuda's host code at -O0: cmake/kfacEngineInstances.cmake, bench/CMakeLists.txt).
     cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKFAC_ENABLE_MPI=OFF -DKFAC_ENABLE_LAPACK=OFF \
-        -DKFAC_BUILD_EXAMPLES=OFF "-DCMAKE_CUDA_ARCHITECTURES=90-real;75-virtual" || return 1
+        -DKFAC_BUILD_EXAMPLES=OFF "-DCMAKE_CUDA_ARCHITECTURES=90-real;75-virtual" \
+        -DKFAC_TEST_OPTIMIZATION= -DKFAC_ENGINES_OPTIMIZATION= || return 1
     local targets=(kfac_cuda_tests kfac_replay_cuda bench_cuda)
     cmake --build build-gpu --target "${targets[@]}" || return 1
     for t in "${targets[@]}"; do cp "$(find build-gpu -type f -name "$t" -perm -u+x | head -1)" "$stage/bin/"; done
