@@ -17,7 +17,8 @@
 // Each rank takes a slice of every minibatch; its loss is the mean over its slice (what
 // per-example statistics assume) and its gradients, weighted by the slice's share, sum over
 // the ranks to the minibatch's mean loss's, so the gradients and the K-FAC factors averaged
-// over the ranks are those of one process (BatchNorm's batch statistics excepted: each rank normalizes its own slice).
+// over the ranks are those of one process (BatchNorm's batch statistics excepted: each rank
+// normalizes its own slice).
 //
 // K-FAC runs with the curvature modes per-example statistics and bias-corrected averaging, and
 // a KL clip annealed with the learning rate (--reference: kfac-pytorch's K-FAC); after every
