@@ -155,7 +155,8 @@ endfunction()
 # (LibTorch's library, the engines above) is compiled at -O1: what is left in it is glue (models
 # defined through LibTorch's API, the adapter's hooks, the training loop), where -O3 buys no speed
 # but costs build time. Measured (README, "Build time"): kfac_fashion_mnist.cpp 62 s at -O3 and
-# 51 s at -O1, its CNN test 17.0 s either way, with the same output to the last digit.
+# 51 s at -O1, its CNN test 17.0 s either way, with the same output to the last digit. Its .cu
+# sources too (nvcc's -O is its host compiler's level; the test programs' -Og is C++ only).
 function(kfac_glue_program target)
-  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-O1>)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX,CUDA>:-O1>)
 endfunction()

@@ -31,10 +31,10 @@ function(kfac_torch_precompiled target)
     add_library(kfac_torch_pch OBJECT ${header})
     set_source_files_properties(${header} PROPERTIES LANGUAGE CXX)
     target_link_libraries(kfac_torch_pch PRIVATE kfac::kfac torch)
-    # At the programs' optimisation level: GCC keeps the level a function was parsed under, so
-    # torch.h's inline functions would otherwise be compiled at the header's level in every
-    # program (at -O3 in the -O1 tests, measured: 63.5 s instead of 29.4 s for
-    # torch_adapter_test.cpp).
+    # At the engines' level, not the build type's: GCC keeps the level a function was parsed
+    # under, so torch.h's inline functions are compiled at the header's level in every program
+    # (from a header at -O3, measured: torch_adapter_test.cpp 63.5 s instead of 29.4 s at -O1).
+    # Beside the tests that level is -Og, below the -O1 glue programs: their runs were no slower.
     target_compile_options(kfac_torch_pch PRIVATE -x c++-header ${KFAC_ENGINES_OPTIMIZATION})
     # The link GCC looks for beside the header, made once the object exists.
     add_custom_command(OUTPUT ${header}.gch
