@@ -201,8 +201,10 @@ struct options {
     /// order and the same arithmetic either way (the results are bitwise equal); false waits
     /// for every broadcast first, the schedule before it existed. Ranks may differ in it.
     bool overlap_communication = true;
-    /// Overlap the factor allreduce with the work that needs its sums (KAISA with several
-    /// ranks): its buckets complete one by one, and each layer is averaged, and on an
+    /// Overlap the factor allreduce with the work around it (KAISA with several ranks): each
+    /// bucket starts as soon as its layers' statistics are computed, while the later layers'
+    /// are (a policy with start_allreduce, kfac::comm::mpi; the others start it after the
+    /// last), and the buckets complete one by one, each layer averaged, and on an
     /// inverse-update step decomposed, as soon as its statistics have landed, while the later
     /// buckets travel. One more collective per factor update (the rows' sums, first), so every
     /// rank must set it alike (it is part of the configuration agreement). The same buckets and

@@ -128,7 +128,7 @@ public:
         }
         const typename engine_type::blas_threads_guard blas_threads(engine_.serial_blas());
         typename engine_type::step_outcome outcome;
-        engine_.finish_pass(plan.factor_update, plan.loss_scale);
+        engine_.finish_pass(plan.factor_update, plan.loss_scale, /*last_pass=*/true);
         if (plan.factor_update) engine_.update_factors(plan, outcome);
         if (plan.inverse_update) engine_.update_second_order(plan, outcome);
         engine_.precondition_all(plan, outcome);

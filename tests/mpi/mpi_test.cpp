@@ -572,6 +572,104 @@ TEST_CASE("a failure between allreduce buckets leaves no collective pending", "[
     CHECK(comm.agree(std::nullopt) == std::nullopt);
 }
 
+/// Whether the policy starts a posted allreduce's buckets as they fill (start_allreduce).
+template <class Comm>
+constexpr bool starts_allreduce_early = requires(Comm& c, const typename Comm::group& g) {
+    c.template start_allreduce<double>(std::size_t{0}, false, g);
+};
+
+TEST_CASE("a posted allreduce starts each bucket once the next item does not fit, with allreduce_sum's sums",
+          "[mpi][overlap]") {
+    // A cap of 8 doubles: items of 5, 5 and 3 values make the buckets {0} and {1, 2}, as
+    // plan_buckets makes them. kfac::comm::mpi starts bucket {0} when item 1 is added, and
+    // bucket {1, 2} at close(); a policy without start_allreduce starts nothing before complete().
+    auto comm = make_comm();
+    const auto values = [](std::size_t n, double first) {
+        std::vector<double> v(n);
+        for (std::size_t i = 0; i < n; ++i) v[i] = first + 0.25 * static_cast<double>(i) + world_rank();
+        return v;
+    };
+    std::vector<std::vector<double>> posted_data{values(5, 1.0), values(5, 2.0), values(3, 3.0)};
+    auto blocking_data = posted_data;
+    const auto items_of = [](std::vector<std::vector<double>>& data) {
+        std::vector<kfac::allreduce_item<double>> items;
+        for (auto& d : data) items.push_back({d.data(), d.size(), false, 0});
+        return items;
+    };
+    const auto blocking_items = items_of(blocking_data);
+    comm.allreduce_sum(blocking_items, 64, false, comm.world());
+    const auto posted_items = items_of(posted_data);
+    const bool starts_early = starts_allreduce_early<comm_under_test>;
+    const bool travels = world_size() > 1;
+    const auto calls = [&] { return comm.counters().allreduce_calls; };
+    const auto before = calls();
+    auto sums = kfac::comm::start_allreduce<double>(comm, 64, false, comm.world());
+    sums->add(posted_items[0]);
+    CHECK(calls() == before);  // bucket {0} may still grow
+    sums->add(posted_items[1]);
+    CHECK(calls() == before + (starts_early && travels ? 1 : 0));
+    sums->add(posted_items[2]);
+    sums->close();
+    CHECK(calls() == before + (starts_early && travels ? 2 : 0));
+    std::vector<std::pair<std::size_t, std::size_t>> landed;
+    sums->complete([&](std::size_t first, std::size_t last) { landed.emplace_back(first, last); });
+    CHECK(calls() == before + (travels ? 2 : 0));
+    if (travels) CHECK(landed == std::vector<std::pair<std::size_t, std::size_t>>{{0, 1}, {1, 3}});
+    else CHECK(landed == std::vector<std::pair<std::size_t, std::size_t>>{{0, 3}});
+    CHECK(posted_data == blocking_data);  // the same buckets summed: the same bits
+}
+
+TEST_CASE("a posted allreduce released before complete() leaves no collective pending", "[mpi][overlap]") {
+    // What every rank does when a failure during the capture was agreed: the buckets it started
+    // and its last one are completed as it is destroyed, so the next collective finds the ranks
+    // in step.
+    auto comm = make_comm();
+    std::vector<double> x(40, 1.0), y(7, 2.0);
+    {
+        auto sums = kfac::comm::start_allreduce<double>(comm, 64, false, comm.world());
+        sums->add({x.data(), x.size(), false, 0});
+        sums->add({y.data(), y.size(), false, 0});
+        if (world_rank() == 0) sums->close();  // with or without close(), the same buckets
+    }
+    CHECK(comm.agree(std::nullopt) == std::nullopt);
+    const auto again = kfac::comm::start_allreduce<double>(comm, 64, false, comm.world());
+    again->add({y.data(), y.size(), false, 0});
+    again->complete({});
+    CHECK(comm.agree(std::nullopt) == std::nullopt);
+}
+
+TEST_CASE("overlapped factor allreduce: the buckets start during the capture, before the host's end_pass",
+          "[mpi][overlap]") {
+    // A cap that makes a bucket of every item: 2 layers' A and G and the rows weights are 5
+    // buckets, after the rows' own allreduce. By the last end_pass() of the step, a policy that
+    // posts early (kfac::comm::mpi) has started all 6; one without has summed the rows only; and
+    // without overlap nothing has travelled yet.
+    for (const bool overlap : {false, true}) {
+        INFO("overlap_factor_allreduce " << overlap);
+        flaky_layer first{4, 3, true}, second{3, 5, true};
+        kfac::options o;
+        o.damping = 0.01;
+        o.overlap_factor_allreduce = overlap;
+        o.allreduce_bucket_cap_mb = 1e-6;
+        mpi_kfac<> p(o, make_comm());
+        p.register_layer("first", first);
+        p.register_layer("second", second);
+        std::int64_t at_step = 0, at_end_pass = -1;
+        second.observe = [&](kfac_test::member m) {
+            if (m == kfac_test::member::end_pass) at_end_pass = p.comm().counters().allreduce_calls - at_step;
+        };
+        for (std::uint32_t k = 0; k < 2; ++k) {
+            first.pass(10 * k + 1);
+            second.pass(10 * k + 101);
+            at_step = p.comm().counters().allreduce_calls;
+            p.step();
+            const bool starts_early = starts_allreduce_early<comm_under_test>;
+            const std::int64_t expected = !overlap || world_size() == 1 ? 0 : (starts_early ? 6 : 1);
+            CHECK(at_end_pass == expected);
+        }
+    }
+}
+
 TEST_CASE("DP-KFAC: only the owner holds a layer's factors", "[mpi][dp_kfac]") {
     model m;
     kfac::options o;
@@ -1178,14 +1276,17 @@ namespace {
 struct flaky_model {
     flaky_layer first{4, 3, true}, second{3, 5, true};
     mpi_kfac<> p;
-    flaky_model() : p(options(), make_comm()) {
+    explicit flaky_model(bool overlap = false) : p(options(overlap), make_comm()) {
         p.register_layer("first", first);
         p.register_layer("second", second);
     }
-    static kfac::options options() {
+    /// With `overlap`, the factor allreduce started during the capture, a bucket per item.
+    static kfac::options options(bool overlap) {
         kfac::options o;
         o.damping = 0.01;
         o.kl_clip = 0.001;
+        o.overlap_factor_allreduce = overlap;
+        if (overlap) o.allreduce_bucket_cap_mb = 1e-6;
         return o;
     }
     void step(std::uint32_t k) {
@@ -1216,13 +1317,17 @@ bool on_some_rank(bool mine) {
 TEST_CASE("an adapter that throws on one rank only, at any call of a step, is an error on every rank", "[mpi][adapter]") {
     // Before, a throw after the checked phase (the second activations() call, the gradients at
     // write-back, end_pass()) hung the other ranks, aborted MPI, or left steps() different.
+    // With overlap_factor_allreduce, end_pass() fails after the factor buckets have started
+    // (during the capture): every rank still completes them before the error is raised.
     const bool failing_rank = world_rank() == world_size() - 1;
-    flaky_model reference;
+    const bool overlap = GENERATE(false, true);
+    INFO("overlap_factor_allreduce " << overlap);
+    flaky_model reference(overlap);
     for (std::uint32_t k = 0; k < 3; ++k) reference.step(k);
     for (int m = 0; m < kfac_test::members; ++m) {
         for (int after = 0;; ++after) {
             INFO("the last rank's " << kfac_test::member_names[m] << " throws at its call " << after + 1 << " of step 1");
-            flaky_model x;
+            flaky_model x(overlap);
             x.step(0);
             x.first.pass(11);
             x.second.pass(111);

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -28,9 +29,12 @@ struct flaky_layer {
     std::optional<member> fail;
     int after = 0;
     mutable std::array<int, members> calls{};
+    /// Called at every call of a member, before it may throw (tests that watch a step's order).
+    std::function<void(member)> observe;
 
     flaky_layer(std::int64_t in, std::int64_t out, bool bias) : inner(in, out, bias) {}
     void touch(member m) const {
+        if (observe) observe(m);
         if (fail == m && calls[m]++ >= after) throw std::runtime_error(std::string("the host's ") + member_names[m] + " failed");
     }
     /// One forward/backward pass of seeded data: the layer's applications and its gradients.

@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "kfac/comm/posted_allreduce.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/config.hpp"
 
@@ -63,6 +64,11 @@ public:
                             const group& g, const bucket_landed& landed) {
         static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "comm::any: float or double payloads");
         held_->allreduce_sum_each(items, cap_bytes, pack_symmetric, g, landed);
+    }
+    template <class T>
+    std::unique_ptr<posted_allreduce<T>> start_allreduce(std::size_t cap_bytes, bool pack_symmetric, const group& g) {
+        static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "comm::any: float or double payloads");
+        return held_->start_allreduce(cap_bytes, pack_symmetric, g, T{});
     }
     template <class T>
     void broadcast(T* data, std::size_t count, int root, const group& g) {
@@ -104,6 +110,9 @@ private:
                                         const bucket_landed&) = 0;
         virtual void allreduce_sum_each(const std::vector<allreduce_item<double>>&, std::size_t, bool, const group&,
                                         const bucket_landed&) = 0;
+        // (the last argument picks the scalar type)
+        virtual std::unique_ptr<posted_allreduce<float>> start_allreduce(std::size_t, bool, const group&, float) = 0;
+        virtual std::unique_ptr<posted_allreduce<double>> start_allreduce(std::size_t, bool, const group&, double) = 0;
         virtual void broadcast(float*, std::size_t, int, const group&, bool host) = 0;
         virtual void broadcast(double*, std::size_t, int, const group&, bool host) = 0;
         virtual void wait() = 0;
@@ -147,6 +156,14 @@ private:
         void allreduce_sum_each(const std::vector<allreduce_item<double>>& items, std::size_t cap, bool symmetric,
                                 const group& g, const bucket_landed& landed) override {
             comm::allreduce_sum_each(policy, items, cap, symmetric, unwrap(g), landed);
+        }
+        std::unique_ptr<posted_allreduce<float>> start_allreduce(std::size_t cap, bool symmetric, const group& g,
+                                                                 float) override {
+            return comm::start_allreduce<float>(policy, cap, symmetric, unwrap(g));
+        }
+        std::unique_ptr<posted_allreduce<double>> start_allreduce(std::size_t cap, bool symmetric, const group& g,
+                                                                  double) override {
+            return comm::start_allreduce<double>(policy, cap, symmetric, unwrap(g));
         }
         void broadcast(float* data, std::size_t count, int root, const group& g, bool host) override {
             send(data, count, root, g, host);

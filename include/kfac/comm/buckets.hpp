@@ -53,22 +53,41 @@ struct bucket {
     std::size_t count = 0;
 };
 
-/// Groups consecutive items while the cap allows (cap_bytes 0: one bucket per item); an item
-/// larger than the cap travels alone.
+/// plan_buckets's rule applied one item at a time, for a caller that starts a bucket before it
+/// knows the later items (kfac/comm/posted_allreduce.hpp): consecutive items share a bucket while
+/// the cap allows (a cap of 0 values: one bucket per item); an item larger than the cap travels
+/// alone.
+class bucket_filler {
+public:
+    /// `cap_bytes` of `value_bytes`-byte values (0: one bucket per item).
+    bucket_filler(std::size_t cap_bytes, std::size_t value_bytes)
+        : cap_(cap_bytes == 0 ? 0 : std::max<std::size_t>(1, cap_bytes / value_bytes)) {}
+    /// Places the next item, of `n` packed values: true when it opens a bucket (the one before,
+    /// if any, is then complete).
+    bool add(std::size_t n) {
+        const bool opens = buckets_.empty() || cap_ == 0 || buckets_.back().count + n > cap_;
+        if (opens) buckets_.push_back({items_, items_, offset_, 0});
+        buckets_.back().last = ++items_;
+        buckets_.back().count += n;
+        offset_ += n;
+        return opens;
+    }
+    [[nodiscard]] const std::vector<bucket>& buckets() const noexcept { return buckets_; }
+
+private:
+    std::size_t cap_;
+    std::size_t items_ = 0;
+    std::size_t offset_ = 0;
+    std::vector<bucket> buckets_;
+};
+
+/// The buckets of `items` (bucket_filler's rule).
 template <class T>
 std::vector<bucket> plan_buckets(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes,
                                  bool pack_symmetric) {
-    const std::size_t cap = cap_bytes == 0 ? 0 : std::max<std::size_t>(1, cap_bytes / sizeof(T));
-    std::vector<bucket> out;
-    std::size_t offset = 0;
-    for (std::size_t i = 0; i < items.size(); ++i) {
-        const std::size_t n = packed_count(items[i], pack_symmetric);
-        if (out.empty() || (cap == 0 || out.back().count + n > cap)) out.push_back({i, i, offset, 0});
-        out.back().last = i + 1;
-        out.back().count += n;
-        offset += n;
-    }
-    return out;
+    bucket_filler filler(cap_bytes, sizeof(T));
+    for (const auto& it : items) filler.add(packed_count(it, pack_symmetric));
+    return filler.buckets();
 }
 
 /// Values of all buckets together.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kfac/comm/buckets.hpp"
+#include "kfac/comm/posted_allreduce.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/config.hpp"
 
@@ -149,6 +150,14 @@ public:
         calls.finish();
     }
 
+    /// The same buckets posted item by item (kfac/comm/posted_allreduce.hpp): a bucket's
+    /// MPI_Iallreduce starts when the item after it does not fit, so it travels while the caller
+    /// computes the later items (progress() moves it meanwhile).
+    template <class T>
+    std::unique_ptr<posted_allreduce<T>> start_allreduce(std::size_t cap_bytes, bool pack_symmetric, const group& g) {
+        return std::make_unique<posted<T>>(*state_, g, cap_bytes, pack_symmetric);
+    }
+
     template <class T>
     void broadcast(T* data, std::size_t count, int root, const group& g) {
         if (g.size <= 1 || count == 0) return;
@@ -163,7 +172,7 @@ public:
     /// Lets the pending broadcasts advance without waiting for them (MPICH moves a message
     /// only inside an MPI call): called between tasks while they travel.
     void progress() {
-        for (auto* requests : {&state_->pending, &state_->allreduce_in_flight}) {
+        for (auto* requests : {&state_->pending, &state_->allreduce_in_flight, &state_->posted_in_flight}) {
             if (requests->empty()) continue;
             int done = 0;
             detail::check_mpi(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &done, MPI_STATUSES_IGNORE),
@@ -254,8 +263,13 @@ private:
         std::vector<MPI_Comm> owned;
         std::vector<MPI_Request> pending;
         std::vector<MPI_Request> allreduce_in_flight;  // allreduce_sum_each's buckets, for progress()
+        std::vector<MPI_Request> posted_in_flight;     // a posted allreduce's buckets, for progress()
         std::map<MPI_Comm, std::vector<float>> float_buckets;
         std::map<MPI_Comm, std::vector<double>> double_buckets;
+        // A posted allreduce's buffers, one per bucket (a bucket travels while later ones are
+        // filled, so they cannot share one growing buffer), kept for the next step.
+        std::map<MPI_Comm, std::vector<std::vector<float>>> float_posted_buffers;
+        std::map<MPI_Comm, std::vector<std::vector<double>>> double_posted_buffers;
         comm_counters counters{};
         ~state() {
             int finalized = 0;
@@ -270,6 +284,95 @@ private:
         if constexpr (std::is_same_v<T, float>) return state_->float_buckets[c];
         else return state_->double_buckets[c];
     }
+
+    template <class T>
+    static std::vector<std::vector<T>>& posted_buffers(state& s, MPI_Comm c) {
+        if constexpr (std::is_same_v<T, float>) return s.float_posted_buffers[c];
+        else return s.double_posted_buffers[c];
+    }
+
+    /// start_allreduce's allreduce: the buckets bucket_filler forms, each packed into its own
+    /// buffer and started as soon as it is complete. One at a time per policy (its requests are
+    /// the policy's posted_in_flight).
+    template <class T>
+    class posted final : public posted_allreduce<T> {
+    public:
+        posted(state& s, const group& g, std::size_t cap_bytes, bool pack_symmetric)
+            : state_(s), group_(g), pack_symmetric_(pack_symmetric), filler_(cap_bytes, sizeof(T)),
+              buffers_(std::move(posted_buffers<T>(s, g.comm))) {
+            state_.posted_in_flight.clear();
+        }
+        ~posted() override {
+            if (!completed_) {
+                try {  // a failure agreed by every rank: every rank starts and waits for the same buckets
+                    start_open_buckets();
+                    detail::wait_all(state_.posted_in_flight, "MPI_Iallreduce");
+                } catch (...) {  // MPI failed; nothing more can be done for the collective
+                }
+            }
+            state_.posted_in_flight.clear();
+            posted_buffers<T>(state_, group_.comm) = std::move(buffers_);
+        }
+        void add(const allreduce_item<T>& item) override {
+            // The item opening a bucket completes the one before it, which then starts.
+            if (filler_.add(detail::packed_count(item, pack_symmetric_))) start_open_buckets();
+            items_.push_back(item);
+        }
+        void close() override { start_open_buckets(); }
+        void complete(const bucket_landed& landed) override {
+            if (group_.size <= 1 || items_.empty()) {
+                completed_ = true;
+                if (!items_.empty() && landed) landed(0, items_.size());
+                return;
+            }
+            start_open_buckets();
+            detail::landing_calls calls(landed);
+            for (std::size_t b = 0; b < started_; ++b) {
+                const double start = MPI_Wtime();
+                detail::wait_one(state_.posted_in_flight[b], "MPI_Iallreduce");
+                state_.counters.allreduce_wait_seconds += MPI_Wtime() - start;
+                detail::unpack_bucket(items_, own_buffer(filler_.buckets()[b]), pack_symmetric_, buffers_[b].data());
+                calls.after(filler_.buckets()[b]);
+            }
+            completed_ = true;
+            calls.finish();
+        }
+
+    private:
+        /// Starts every bucket whose items have all been added, in order.
+        void start_open_buckets() {
+            if (group_.size <= 1) return;
+            const auto& buckets = filler_.buckets();
+            for (; started_ < buckets.size() && buckets[started_].last <= items_.size(); ++started_) {
+                const detail::bucket& b = buckets[started_];
+                if (buffers_.size() <= started_) buffers_.resize(started_ + 1);  // a moved buffer keeps its storage
+                auto& buffer = buffers_[started_];
+                buffer.resize(b.count);
+                detail::pack_bucket(items_, own_buffer(b), pack_symmetric_, buffer.data());
+                state_.posted_in_flight.push_back(MPI_REQUEST_NULL);
+                detail::check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buffer.data(), detail::checked_count(b.count),
+                                                 detail::datatype<T>(), MPI_SUM, group_.comm,
+                                                 &state_.posted_in_flight.back()),
+                                  "MPI_Iallreduce");
+                ++state_.counters.allreduce_calls;
+                state_.counters.allreduce_bytes += static_cast<std::int64_t>(b.count * sizeof(T));
+            }
+        }
+        /// `b` as it lies in its own buffer.
+        static detail::bucket own_buffer(detail::bucket b) {
+            b.offset = 0;
+            return b;
+        }
+
+        state& state_;
+        group group_;
+        bool pack_symmetric_;
+        detail::bucket_filler filler_;
+        std::vector<allreduce_item<T>> items_;
+        std::vector<std::vector<T>> buffers_;
+        std::size_t started_ = 0;
+        bool completed_ = false;
+    };
 
     std::unique_ptr<state> state_;
 };

@@ -34,8 +34,9 @@
 ///   finish_pass         agree (statistics, factor-update steps), agree (end_pass)
 ///   update_factors      allreduce_sum of every statistic and the rows weights, bucketed (KAISA
 ///                       with several ranks; none otherwise); with options.overlap_factor_allreduce
-///                       first an allreduce_sum of the rows weights alone, then the same buckets
-///                       completed one by one (allreduce_sum_each)
+///                       the same buckets started by finish_pass (after an allreduce_sum of the
+///                       rows weights alone, before its agreements) as the statistics come to
+///                       exist, and completed here one by one
 ///   update_second_order agree (decompositions), then per layer in registration order whose data
 ///                       is shared: broadcasts of the A payloads, then the G payloads (column group)
 ///   precondition_all    agree (preconditioning), per layer in order whose gradient is shared:
@@ -47,6 +48,7 @@
 #include <filesystem>
 #include <functional>
 #include <istream>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -60,6 +62,7 @@
 #include "kfac/blocks/kinds.hpp"
 #include "kfac/checkpoint/format.hpp"
 #include "kfac/checkpoint/state_dict.hpp"
+#include "kfac/comm/posted_allreduce.hpp"
 #include "kfac/comm/serial.hpp"
 #include "kfac/config.hpp"
 #include "kfac/detail/compute_impl.hpp"
@@ -135,8 +138,11 @@ public:
     step_plan read_plan();
     [[nodiscard]] bool serial_blas() const noexcept { return serial_blas_; }
     /// This pass's statistics (factor-update steps; G divided by loss_scale²), then the
-    /// host's end_pass(), agreed.
-    void finish_pass(bool factor_update, double loss_scale = 1.0);
+    /// host's end_pass(), agreed. On the step's last pass (step()) with
+    /// options.overlap_factor_allreduce under KAISA on several ranks, the factor allreduce
+    /// starts as the statistics are computed, each bucket as soon as its layers' exist
+    /// (update_factors() completes it).
+    void finish_pass(bool factor_update, double loss_scale = 1.0, bool last_pass = false);
     /// accumulate(): the pass folded into the step's statistics.
     void accumulate();
     /// Running averages of the factors, averaged over ranks.
@@ -262,17 +268,27 @@ private:
     // statistics and factors (engine_factors.hpp)
     [[nodiscard]] scalar_type total_rows(const layer_record& l) const;
     [[nodiscard]] std::int64_t total_applications(const layer_record& l) const;
-    void capture_pass();
+    void capture_pass(bool post_factor_sums);
+    /// capture_pass() with the factor allreduce started as it goes (finish_pass()): each layer's
+    /// tasks, then its statistics scaled and added to factor_sums_.
+    void capture_and_post(std::vector<std::vector<detail::task>>& layer_tasks);
     void end_pass();
+    /// Whether the factor allreduce is started during the capture (options.overlap_factor_allreduce
+    /// under KAISA on several ranks, with the statistics sent where they are).
+    [[nodiscard]] bool posts_factor_sums_early() const;
+    /// Layer l's statistics made what the ranks sum (its mean over applications times its rows;
+    /// zeros when it was applied nowhere on this rank), `add` given each as an item; its rows.
+    template <class Add>
+    scalar_type weighted_statistics(layer_record& l, Add&& add);
 
     /// Layer i's running factors updated from its statistics (summed over `count` rows or
     /// applications); skipped when it holds none or none came in this step.
     void average_layer(std::size_t i, const step_plan& plan, step_outcome& outcome, double count);
-    /// update_factors() with options.overlap_factor_allreduce: each layer averaged, and on an
-    /// inverse-update step decomposed, as soon as its buckets of the allreduce land.
+    /// update_factors() with options.overlap_factor_allreduce: the allreduce capture_and_post()
+    /// started completed, each layer averaged, and on an inverse-update step decomposed, as soon
+    /// as its buckets land.
     void update_factors_overlapped(const step_plan& plan, step_outcome& outcome,
-                                   const std::vector<allreduce_item<scalar_type>>& items, std::vector<scalar_type> rows,
-                                   std::size_t cap);
+                                   comm::posted_allreduce<scalar_type>& sums);
 
     // second-order data
     void count_bases(const layer_record& l, const typename method::factor_data& a,
@@ -380,6 +396,12 @@ private:
     /// decompositions with its allreduce (empty otherwise), and the first failure of those.
     std::vector<second_order_result> second_order_results_;
     std::exception_ptr early_decomposition_failure_;
+    /// The factor allreduce capture_and_post() started, for update_factors(); the rows' sums
+    /// (summed before it started) and this rank's rows, its last item. Declared after comm_:
+    /// destroyed first, it waits for its buckets while the policy exists.
+    std::unique_ptr<comm::posted_allreduce<scalar_type>> factor_sums_;
+    std::vector<scalar_type> factor_rows_sum_;
+    std::vector<scalar_type> factor_rows_;
     health_counters health_{};
     factor_storage<Backend> storage_{};  // options.factor_storage
     eigenbasis_count bases_{};

@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
+#include <iterator>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -71,9 +74,10 @@ std::int64_t engine<Backend, CommPolicy, ComputeMethod>::total_applications(cons
 /// A group of a grouped convolution reads its own channels as the groups = 1 layer of its
 /// block (layer_description::group_block()).
 template <class Backend, class CommPolicy, class ComputeMethod>
-void engine<Backend, CommPolicy, ComputeMethod>::capture_pass() {
-    std::vector<detail::task> tasks;
-    for (auto& l : layers_) {
+void engine<Backend, CommPolicy, ComputeMethod>::capture_pass(bool post_factor_sums) {
+    std::vector<std::vector<detail::task>> layer_tasks(layers_.size());
+    for (std::size_t li = 0; li < layers_.size(); ++li) {
+        auto& l = layers_[li];
         if (!l.role.holds_factors) continue;
         const std::int64_t n = l.scratch.applications;
         std::vector<tensor_view<const scalar_type>> a(static_cast<std::size_t>(n)), g(a.size());
@@ -112,9 +116,78 @@ void engine<Backend, CommPolicy, ComputeMethod>::capture_pass() {
                                                  g_elements,
                                                  options_.conv_patches,
                                                  std::move(scales)};
-        for (auto& t : l.block->statistic_tasks(l, std::move(pass))) tasks.push_back(layer_task(l, std::move(t)));
+        for (auto& t : l.block->statistic_tasks(l, std::move(pass))) layer_tasks[li].push_back(layer_task(l, std::move(t)));
     }
+    if (post_factor_sums) return capture_and_post(layer_tasks);
+    std::vector<detail::task> tasks;
+    for (auto& t : layer_tasks) std::move(t.begin(), t.end(), std::back_inserter(tasks));
     agree_on([&] { detail::run_tasks<typename Backend::serial_blas_scope>(tasks, threads_); });
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+bool engine<Backend, CommPolicy, ComputeMethod>::posts_factor_sums_early() const {
+    return options_.overlap_factor_allreduce && options_.strategy == distribution::kaisa && comm_.size() > 1 &&
+           staging_.direct();
+}
+
+/// The rows' sums travel first, in an allreduce of their own, so that each layer's count is
+/// known when its statistics land (update_factors_overlapped()); they also stay the last item,
+/// so the buckets are those of update_factors() without overlap and so are the sums. Then layer
+/// by layer: its tasks (on the threads, as capture_pass() runs them all), its statistics made
+/// what the ranks sum, both added to the allreduce, whose buckets start as they fill while the
+/// later layers' tasks run. Every rank must add the same items, so a rank whose tasks fail
+/// keeps the first failure, adds the layer's statistics as zeros of their shape and goes on;
+/// the failure is agreed once every item is added, and factor_sums_ then completes the buckets
+/// when finish_pass() releases it. (The rows are whole numbers: their sums are exact, and equal
+/// to the buckets' copy, while they stay below 2²⁴ in float, 2⁵³ in double.)
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::capture_and_post(std::vector<std::vector<detail::task>>& layer_tasks) {
+    factor_rows_.clear();
+    for (const auto& l : layers_) factor_rows_.push_back(total_rows(l));
+    factor_rows_sum_ = factor_rows_;
+    comm::announce_phase(comm_, "the factor update (the allreduce of its rows)");
+    comm_.allreduce_sum(std::vector<allreduce_item<scalar_type>>{{factor_rows_sum_.data(), factor_rows_sum_.size(), false, 0}},
+                        0, false, comm_.world());
+    const auto cap = static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
+    comm::announce_phase(comm_, "the factor update (its allreduce, started during the capture)");
+    factor_sums_ = comm::start_allreduce<scalar_type>(comm_, cap, options_.symmetry_aware, comm_.world());
+    std::exception_ptr failure;
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+        auto& l = layers_[i];
+        try {
+            detail::run_tasks<typename Backend::serial_blas_scope>(layer_tasks[i], threads_);
+        } catch (...) {
+            if (!failure) failure = std::current_exception();
+            l.block->clear_statistic(l.statistics, l.host.description);
+        }
+        weighted_statistics(l, [&](const allreduce_item<scalar_type>& item) { factor_sums_->add(item); });
+        comm::progress(comm_);  // MPICH moves the started buckets only inside MPI calls
+    }
+    factor_sums_->add({factor_rows_.data(), factor_rows_.size(), false, 0});
+    factor_sums_->close();
+    agree_on([&] {
+        if (failure) std::rethrow_exception(failure);
+    });
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+template <class Add>
+auto engine<Backend, CommPolicy, ComputeMethod>::weighted_statistics(layer_record& l, Add&& add) -> scalar_type {
+    // Mean over applications, times this rank's rows: Σ_r rows_r · F̂_r is summed.
+    const auto rows = total_rows(l);
+    const auto applications = total_applications(l);
+    if (applications == 0)  // this rank contributes nothing (the sums are stale)
+        l.block->clear_statistic(l.statistics, l.host.description);
+    else
+        l.block->scale_statistic(l.statistics, rows / static_cast<scalar_type>(applications));
+    for (matrix* sum : {&l.statistics.a_sum, &l.statistics.g_sum}) {  // a square statistic may be a triangle
+        const auto n = static_cast<std::size_t>(sum->size());
+        const bool triangle =
+            sum->cols() == sum->rows() && (sum == &l.statistics.g_sum || l.block->a_statistic_is_triangle());
+        add(allreduce_item<scalar_type>{staging_.stage(sum->data(), n, transfer::send_and_receive), n, triangle,
+                                        sum->rows()});
+    }
+    return rows;
 }
 
 /// Tells every layer's host that the current pass has been read (traits' end_pass), once
@@ -130,13 +203,13 @@ void engine<Backend, CommPolicy, ComputeMethod>::end_pass() {
 /// or the host's gradients change; if either fails (on any rank), the statistics that
 /// accumulate() folded in before are put back, so a retry sees the step as it was.
 template <class Backend, class CommPolicy, class ComputeMethod>
-void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update, double loss_scale) {
+void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update, double loss_scale, bool last_pass) {
     pass_loss_scale_ = loss_scale;
     std::vector<std::pair<matrix, matrix>> folded;  // a_sum, g_sum before this pass (accumulate() passes only)
     if (factor_update && passes_ > 0)
         for (const auto& l : layers_) folded.emplace_back(l.statistics.a_sum, l.statistics.g_sum);
     try {
-        if (factor_update) capture_pass();
+        if (factor_update) capture_pass(last_pass && posts_factor_sums_early());
         agree_on([&] { end_pass(); });
         // The pass is folded in: copies of views in another format than the compute type go
         // (they would double a bf16 model's activation memory between steps).
@@ -146,6 +219,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update,
             std::vector<converted_view<Backend>>().swap(l.scratch.converted);
         }
     } catch (...) {
+        factor_sums_.reset();  // (agreed by every rank) its buckets completed, their sums unused
         for (std::size_t i = 0; i < folded.size(); ++i) {
             layers_[i].statistics.a_sum = std::move(folded[i].first);
             layers_[i].statistics.g_sum = std::move(folded[i].second);
@@ -163,32 +237,17 @@ template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan& plan, step_outcome& outcome) {
     comm::announce_phase(comm_, "the factor update");
     abandon_early_decompositions();  // of a step that failed before its inverse update
+    // Started by capture_and_post(); released (its buckets completed) however this returns.
+    const std::unique_ptr<comm::posted_allreduce<scalar_type>> posted = std::move(factor_sums_);
+    if (posted) return update_factors_overlapped(plan, outcome, *posted);
     const bool averaged = options_.strategy == distribution::kaisa && comm_.size() > 1;
     std::vector<scalar_type> weights;
     if (averaged) {
         std::vector<allreduce_item<scalar_type>> items;
-        for (auto& l : layers_) {
-            // Mean over applications, times this rank's rows: Σ_r rows_r · F̂_r is summed.
-            const auto rows = total_rows(l);
-            const auto applications = total_applications(l);
-            if (applications == 0)  // this rank contributes nothing (the sums are stale)
-                l.block->clear_statistic(l.statistics, l.host.description);
-            else
-                l.block->scale_statistic(l.statistics, rows / static_cast<scalar_type>(applications));
-            for (matrix* sum : {&l.statistics.a_sum, &l.statistics.g_sum}) {  // a square statistic may be a triangle
-                const auto n = static_cast<std::size_t>(sum->size());
-                const bool triangle =
-                    sum->cols() == sum->rows() && (sum == &l.statistics.g_sum || l.block->a_statistic_is_triangle());
-                items.push_back({staging_.stage(sum->data(), n, transfer::send_and_receive), n, triangle, sum->rows()});
-            }
-            weights.push_back(rows);
-        }
+        for (auto& l : layers_)
+            weights.push_back(weighted_statistics(l, [&](const allreduce_item<scalar_type>& item) { items.push_back(item); }));
         items.push_back({weights.data(), weights.size(), false, 0});
         const auto cap = static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
-        // Overlapped, a bucket's layers are used as it lands: the values must be in place then,
-        // as they are unless a device backend's go through the host staging.
-        if (options_.overlap_factor_allreduce && staging_.direct())
-            return update_factors_overlapped(plan, outcome, items, weights, cap);
         comm::announce_phase(comm_, "the factor update (its allreduce)");
         comm_.allreduce_sum(items, cap, options_.symmetry_aware, comm_.world());
         staging_.complete();
@@ -198,20 +257,12 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan&
                       averaged ? static_cast<double>(weights[i]) : static_cast<double>(total_applications(layers_[i])));
 }
 
-/// The bucketed allreduce of update_factors() with its buckets completed one by one: a layer is
-/// averaged as soon as both its statistics have landed, and on an inverse-update step its
-/// decompositions run then, while the later buckets travel. The rows weights travel first in an
-/// allreduce of their own so that each layer's count is known when its statistics land; they
-/// also stay in the last bucket, so the buckets are the same as without overlap and so are the
-/// sums. (The rows are whole numbers: their sums are exact, and equal to the buckets' copy,
-/// while they stay below 2²⁴ in float, 2⁵³ in double.)
+/// The allreduce capture_and_post() started, completed bucket by bucket: a layer is averaged as
+/// soon as both its statistics have landed, and on an inverse-update step its decompositions run
+/// then, while the later buckets travel.
 template <class Backend, class CommPolicy, class ComputeMethod>
-void engine<Backend, CommPolicy, ComputeMethod>::update_factors_overlapped(
-    const step_plan& plan, step_outcome& outcome, const std::vector<allreduce_item<scalar_type>>& items,
-    std::vector<scalar_type> rows, std::size_t cap) {
-    comm::announce_phase(comm_, "the factor update (the allreduce of its rows)");
-    comm_.allreduce_sum(std::vector<allreduce_item<scalar_type>>{{rows.data(), rows.size(), false, 0}}, 0, false,
-                        comm_.world());
+void engine<Backend, CommPolicy, ComputeMethod>::update_factors_overlapped(const step_plan& plan, step_outcome& outcome,
+                                                                           comm::posted_allreduce<scalar_type>& sums) {
     const bool decompose = plan.inverse_update;
     if (decompose) second_order_results_.assign(layers_.size(), {});
     std::vector<int> landed_items(layers_.size(), 0);  // of a layer's two statistics
@@ -219,14 +270,14 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_factors_overlapped(
     const auto landed = [&](std::size_t first, std::size_t last) {
         for (std::size_t k = first; k < last && k < 2 * layers_.size(); ++k) ++landed_items[k / 2];
         for (; next < layers_.size() && landed_items[next] == 2; ++next) {
-            average_layer(next, plan, outcome, static_cast<double>(rows[next]));
+            average_layer(next, plan, outcome, static_cast<double>(factor_rows_sum_[next]));
             if (decompose) decompose_early(next, plan.damping);
             comm::progress(comm_);  // MPICH moves the later buckets only inside MPI calls
         }
     };
     comm::announce_phase(comm_, "the factor update (its allreduce, overlapped)");
     try {
-        comm::allreduce_sum_each(comm_, items, cap, options_.symmetry_aware, comm_.world(), landed);
+        sums.complete(landed);
     } catch (...) {
         abandon_early_decompositions();
         throw;
