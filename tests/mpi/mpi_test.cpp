@@ -572,12 +572,6 @@ TEST_CASE("a failure between allreduce buckets leaves no collective pending", "[
     CHECK(comm.agree(std::nullopt) == std::nullopt);
 }
 
-/// Whether the policy starts a posted allreduce's buckets as they fill (start_allreduce).
-template <class Comm>
-constexpr bool starts_allreduce_early = requires(Comm& c, const typename Comm::group& g) {
-    c.template start_allreduce<double>(std::size_t{0}, false, g);
-};
-
 TEST_CASE("a posted allreduce starts each bucket once the next item does not fit, with allreduce_sum's sums",
           "[mpi][overlap]") {
     // A cap of 8 doubles: items of 5, 5 and 3 values make the buckets {0} and {1, 2}, as
@@ -599,7 +593,7 @@ TEST_CASE("a posted allreduce starts each bucket once the next item does not fit
     const auto blocking_items = items_of(blocking_data);
     comm.allreduce_sum(blocking_items, 64, false, comm.world());
     const auto posted_items = items_of(posted_data);
-    const bool starts_early = starts_allreduce_early<comm_under_test>;
+    const bool starts_early = kfac::comm::starts_allreduce_early<comm_under_test, double>;
     const bool travels = world_size() > 1;
     const auto calls = [&] { return comm.counters().allreduce_calls; };
     const auto before = calls();
@@ -663,7 +657,7 @@ TEST_CASE("overlapped factor allreduce: the buckets start during the capture, be
             second.pass(10 * k + 101);
             at_step = p.comm().counters().allreduce_calls;
             p.step();
-            const bool starts_early = starts_allreduce_early<comm_under_test>;
+            const bool starts_early = kfac::comm::starts_allreduce_early<comm_under_test, double>;
             const std::int64_t expected = !overlap || world_size() == 1 ? 0 : (starts_early ? 6 : 1);
             CHECK(at_end_pass == expected);
         }

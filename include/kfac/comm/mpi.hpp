@@ -320,9 +320,8 @@ private:
         }
         void close() override { start_open_buckets(); }
         void complete(const bucket_landed& landed) override {
-            if (group_.size <= 1 || items_.empty()) {
+            if (detail::landed_without_sending(items_, group_.size, landed)) {
                 completed_ = true;
-                if (!items_.empty() && landed) landed(0, items_.size());
                 return;
             }
             start_open_buckets();

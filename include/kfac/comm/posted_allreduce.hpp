@@ -39,9 +39,10 @@ public:
     virtual void add(const allreduce_item<T>& item) = 0;
     /// No item follows: starts the last bucket.
     virtual void close() = 0;
-    /// Starts the last bucket (if close() did not), then completes the buckets in order: after each, its items hold
-    /// their sums and `landed(first, last)` runs (when given) while later buckets travel. If
-    /// `landed` throws, every bucket is still completed before the exception propagates.
+    /// Starts the last bucket (if close() did not), then completes the buckets in order: after
+    /// each, its items hold their sums and `landed(first, last)` runs (when given) while later
+    /// buckets travel. If `landed` throws, every bucket is still completed before the exception
+    /// propagates.
     virtual void complete(const bucket_landed& landed) = 0;
 };
 
@@ -66,11 +67,17 @@ private:
     std::vector<allreduce_item<T>> items_;
 };
 
+/// Whether a policy starts a posted allreduce's buckets as they fill (has start_allreduce).
+template <class CommPolicy, class T>
+concept starts_allreduce_early = requires(CommPolicy& c, std::size_t cap_bytes, const typename CommPolicy::group& g) {
+    c.template start_allreduce<T>(cap_bytes, bool{}, g);
+};
+
 /// The policy's own posted allreduce where it has one, else a collected_allreduce.
 template <class T, class CommPolicy>
 std::unique_ptr<posted_allreduce<T>> start_allreduce(CommPolicy& c, std::size_t cap_bytes, bool pack_symmetric,
                                                      const typename CommPolicy::group& g) {
-    if constexpr (requires { c.template start_allreduce<T>(cap_bytes, pack_symmetric, g); })
+    if constexpr (starts_allreduce_early<CommPolicy, T>)
         return c.template start_allreduce<T>(cap_bytes, pack_symmetric, g);
     else
         return std::make_unique<collected_allreduce<CommPolicy, T>>(c, cap_bytes, pack_symmetric, g);

@@ -273,9 +273,13 @@ private:
     /// tasks, then its statistics scaled and added to factor_sums_.
     void capture_and_post(std::vector<std::vector<detail::task>>& layer_tasks);
     void end_pass();
+    /// Whether the factors are averaged over the ranks' statistics (KAISA on several ranks).
+    [[nodiscard]] bool averages_factors_over_ranks() const;
     /// Whether the factor allreduce is started during the capture (options.overlap_factor_allreduce
-    /// under KAISA on several ranks, with the statistics sent where they are).
+    /// when averaging over ranks, with the statistics sent where they are).
     [[nodiscard]] bool posts_factor_sums_early() const;
+    /// options.allreduce_bucket_cap_mb in bytes.
+    [[nodiscard]] std::size_t factor_bucket_cap_bytes() const;
     /// Layer l's statistics made what the ranks sum (its mean over applications times its rows;
     /// zeros when it was applied nowhere on this rank), `add` given each as an item; its rows.
     template <class Add>

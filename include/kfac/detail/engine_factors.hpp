@@ -125,9 +125,18 @@ void engine<Backend, CommPolicy, ComputeMethod>::capture_pass(bool post_factor_s
 }
 
 template <class Backend, class CommPolicy, class ComputeMethod>
+bool engine<Backend, CommPolicy, ComputeMethod>::averages_factors_over_ranks() const {
+    return options_.strategy == distribution::kaisa && comm_.size() > 1;
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
 bool engine<Backend, CommPolicy, ComputeMethod>::posts_factor_sums_early() const {
-    return options_.overlap_factor_allreduce && options_.strategy == distribution::kaisa && comm_.size() > 1 &&
-           staging_.direct();
+    return options_.overlap_factor_allreduce && averages_factors_over_ranks() && staging_.direct();
+}
+
+template <class Backend, class CommPolicy, class ComputeMethod>
+std::size_t engine<Backend, CommPolicy, ComputeMethod>::factor_bucket_cap_bytes() const {
+    return static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
 }
 
 /// The rows' sums travel first, in an allreduce of their own, so that each layer's count is
@@ -148,9 +157,9 @@ void engine<Backend, CommPolicy, ComputeMethod>::capture_and_post(std::vector<st
     comm::announce_phase(comm_, "the factor update (the allreduce of its rows)");
     comm_.allreduce_sum(std::vector<allreduce_item<scalar_type>>{{factor_rows_sum_.data(), factor_rows_sum_.size(), false, 0}},
                         0, false, comm_.world());
-    const auto cap = static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
     comm::announce_phase(comm_, "the factor update (its allreduce, started during the capture)");
-    factor_sums_ = comm::start_allreduce<scalar_type>(comm_, cap, options_.symmetry_aware, comm_.world());
+    factor_sums_ =
+        comm::start_allreduce<scalar_type>(comm_, factor_bucket_cap_bytes(), options_.symmetry_aware, comm_.world());
     std::exception_ptr failure;
     for (std::size_t i = 0; i < layers_.size(); ++i) {
         auto& l = layers_[i];
@@ -240,16 +249,15 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_factors(const step_plan&
     // Started by capture_and_post(); released (its buckets completed) however this returns.
     const std::unique_ptr<comm::posted_allreduce<scalar_type>> posted = std::move(factor_sums_);
     if (posted) return update_factors_overlapped(plan, outcome, *posted);
-    const bool averaged = options_.strategy == distribution::kaisa && comm_.size() > 1;
+    const bool averaged = averages_factors_over_ranks();
     std::vector<scalar_type> weights;
     if (averaged) {
         std::vector<allreduce_item<scalar_type>> items;
         for (auto& l : layers_)
             weights.push_back(weighted_statistics(l, [&](const allreduce_item<scalar_type>& item) { items.push_back(item); }));
         items.push_back({weights.data(), weights.size(), false, 0});
-        const auto cap = static_cast<std::size_t>(options_.allreduce_bucket_cap_mb * 1024.0 * 1024.0);
         comm::announce_phase(comm_, "the factor update (its allreduce)");
-        comm_.allreduce_sum(items, cap, options_.symmetry_aware, comm_.world());
+        comm_.allreduce_sum(items, factor_bucket_cap_bytes(), options_.symmetry_aware, comm_.world());
         staging_.complete();
     }
     for (std::size_t i = 0; i < layers_.size(); ++i)
