@@ -9,6 +9,7 @@
 #include "mpi/test_world.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -1350,6 +1351,88 @@ TEST_CASE("an adapter that throws on one rank only, at any call of a step, is an
         }
     }
 }
+
+#if !KFAC_TEST_PROCESS_GROUP  // comm::mpi's buckets start during the capture; Gloo's at complete()
+
+namespace {
+
+/// The CPU backend whose G statistic throws at one call (counted over the process, across the
+/// engine's threads) with a kfac::error, as backend::cuda's kernels report a failure on one rank.
+struct statistics_failing_backend : kfac::backend::cpu_eigen<double> {
+    using base = kfac::backend::cpu_eigen<double>;
+    static inline std::atomic<int> calls{0};
+    static inline int fail_at = -1;  ///< the call that throws; -1: none
+    static void accumulate_g_statistic(matrix& sum, const kfac::layer_description& d,
+                                       kfac::tensor_view<const double> g, double beta, workspace& ws) {
+        if (calls++ == fail_at) throw kfac::error("the G statistic's kernel failed");
+        base::accumulate_g_statistic(sum, d, g, beta, ws);
+    }
+};
+
+}  // namespace
+
+TEST_CASE("statistics that fail on one rank while the factor buckets travel are an error on every rank",
+          "[mpi][overlap]") {
+    // With overlap_factor_allreduce the step's last pass adds each layer's statistics to the
+    // allreduce as they are computed, a bucket per item here, so the first layer's buckets
+    // have started when the second layer's statistics are computed. A rank whose statistics
+    // throw must still add the same items (zeros of their shape), or the ranks' buckets differ
+    // and the collectives hang or mix; the error is then raised on every rank, the state is
+    // as before the step, and a retry equals a run without the failure.
+    using failing_kfac = kfac::KFAC<statistics_failing_backend, comm_under_test, kfac::compute::eigendecomposition>;
+    struct two_layers {
+        owned_layer<double> first = random_linear<double>(6, 4, 3, true, 21), second = random_linear<double>(6, 3, 5, true, 22);
+        failing_kfac p{flaky_model::options(true), make_comm()};
+        two_layers() {
+            p.register_layer("first", first.view);
+            p.register_layer("second", second.view);
+        }
+        void step() { p.step(); }  // (the gradients preconditioned again each step, alike in both runs)
+        [[nodiscard]] std::vector<double> state() const {
+            std::vector<double> v;
+            for (const auto* l : {&first, &second}) {
+                v.insert(v.end(), l->grad_weight.begin(), l->grad_weight.end());
+                v.insert(v.end(), l->grad_bias.begin(), l->grad_bias.end());
+            }
+            for (const char* name : {"first", "second"})
+                for (const auto* f : {&p.a_factor(name), &p.g_factor(name)}) v.insert(v.end(), f->data(), f->data() + f->size());
+            v.push_back(static_cast<double>(p.steps()));
+            return v;
+        }
+    };
+    two_layers reference;
+    for (int k = 0; k < 3; ++k) reference.step();
+    // At the first step the failing layer has no statistics yet (it must still add items of
+    // their shape); at the second it has the last step's. The call: the first layer's G
+    // statistic, or the second's (at one rank, which does not post, the threads' order).
+    const int failing_step = GENERATE(0, 1), failing_call = GENERATE(0, 1);
+    INFO("the last rank's G statistic throws at its call " << failing_call + 1 << " of step " << failing_step + 1);
+    two_layers x;
+    for (int k = 0; k < failing_step; ++k) x.step();
+    const auto before = x.state();
+    statistics_failing_backend::calls = 0;
+    statistics_failing_backend::fail_at = world_rank() == world_size() - 1 ? failing_call : -1;
+    std::string message;
+    try {
+        x.step();
+    } catch (const std::exception& e) {
+        message = e.what();
+    }
+    statistics_failing_backend::fail_at = -1;
+    CHECK(on_every_rank(!message.empty()));
+    CHECK_THAT(message, Contains("the G statistic's kernel failed"));
+    if (world_size() > 1) {  // posted: the layers' statistics in order, the failing layer's and the next computed
+        CHECK_THAT(message, Contains(failing_call == 0 ? "layer 'first'" : "layer 'second'"));
+        CHECK(statistics_failing_backend::calls.load() == 2);
+    } else {
+        CHECK_THAT(message, Contains("layer '"));
+    }
+    CHECK(x.state() == before);
+    while (x.p.steps() < 3) x.step();
+    CHECK(x.state() == reference.state());
+}
+
+#endif
 
 TEST_CASE("ranks with another compute method or assignment strategy all raise the same error", "[mpi][mismatch]") {
     // Before, the first step hung (or aborted in MPI_Waitall): the ranks issued different
