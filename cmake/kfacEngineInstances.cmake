@@ -51,6 +51,12 @@ set(KFAC_ENGINES_OPTIMIZATION "${kfac_engines_default_optimization}" CACHE STRIN
 # the CUDA sources of the programs that link it only (--pre-include; their C++ sources never
 # see backend::cuda).
 function(kfac_add_engines target backend comm)
+  # A call of an older signature (without the backend) generated C++ that does not compile, in
+  # a configuration the test build does not configure (bench/, KFAC_BENCH_NATIVE): say so here.
+  if(NOT backend MATCHES "^(cpu_eigen|cuda)$" OR NOT comm MATCHES "^(serial|mpi|process_group)$")
+    message(FATAL_ERROR "kfac_add_engines(${target} ${backend} ${comm} ...): the backend must be "
+                        "cpu_eigen or cuda and the communicator serial, mpi or process_group")
+  endif()
   if(NOT kfac_engine_scalars)
     set(kfac_engine_scalars float double)
   endif()
