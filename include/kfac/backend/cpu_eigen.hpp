@@ -182,18 +182,7 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
 
     /// inverse = (M + damping·I)⁻¹ by Cholesky (LAPACK's potrf + potri when usable, else
     /// Eigen's LLT), falling back to LU when rounding leaves the matrix not quite SPD.
-    static bool damped_inverse(const matrix& M, Scalar damping, matrix& inverse) {
-        inverse = M;
-        inverse.diagonal().array() += damping;
-        const bool inverted = lapack_solvers_usable() ? lapack_cholesky_inverse(inverse)
-                                                      : eigen_cholesky_inverse(inverse);
-        if (inverted) return all_finite(inverse);
-        inverse = M;  // potrf may have overwritten part of it
-        inverse.diagonal().array() += damping;
-        Eigen::PartialPivLU<matrix> lu(inverse);
-        inverse = lu.inverse();
-        return all_finite(inverse);
-    }
+    static bool damped_inverse(const matrix& M, Scalar damping, matrix& inverse);  // below the class
 
     /// The decompositions in double (kfac/backend/fp64_decompositions.hpp): M widened exactly,
     /// the result rounded once to Scalar.
@@ -356,13 +345,7 @@ private:
 #endif
     }
 
-    static bool eigen_symmetric_eigen(const matrix& M, matrix& Q, vector& lambda) {
-        Eigen::SelfAdjointEigenSolver<matrix> solver(M, Eigen::ComputeEigenvectors);
-        if (solver.info() != Eigen::Success) return false;
-        Q = solver.eigenvectors();
-        lambda = solver.eigenvalues();
-        return true;
-    }
+    static bool eigen_symmetric_eigen(const matrix& M, matrix& Q, vector& lambda);  // below the class
 
     /// m ← m⁻¹ for an SPD m by potrf + potri (half the flops of LU, perf-anchors §5); false
     /// when potrf finds m not positive definite.
@@ -379,12 +362,44 @@ private:
     }
 
     /// m ← m⁻¹ for an SPD m by Eigen's LLT and a solve against the identity.
-    static bool eigen_cholesky_inverse(matrix& m) {
-        Eigen::LLT<matrix> llt(m);
-        if (llt.info() != Eigen::Success) return false;
-        m = llt.solve(matrix::Identity(m.rows(), m.cols()));
-        return true;
-    }
+    static bool eigen_cholesky_inverse(matrix& m);  // below the class
 };
+
+// The members that compile Eigen's solvers (SelfAdjointEigenSolver about 5 s of GCC's time per
+// scalar type at -Og, LLT with PartialPivLU about 5 s more) are defined out of the class, so not
+// inline: a program that compiles cpu_eigen<Scalar> once (`template struct cpu_eigen<double>;`)
+// and declares it elsewhere (`extern template struct cpu_eigen<double>;`) then compiles them
+// once. GCC still instantiates an extern template's inline members where it may inline them.
+
+template <class Scalar>
+bool cpu_eigen<Scalar>::damped_inverse(const matrix& M, Scalar damping, matrix& inverse) {
+    inverse = M;
+    inverse.diagonal().array() += damping;
+    const bool inverted = lapack_solvers_usable() ? lapack_cholesky_inverse(inverse)
+                                                  : eigen_cholesky_inverse(inverse);
+    if (inverted) return all_finite(inverse);
+    inverse = M;  // potrf may have overwritten part of it
+    inverse.diagonal().array() += damping;
+    Eigen::PartialPivLU<matrix> lu(inverse);
+    inverse = lu.inverse();
+    return all_finite(inverse);
+}
+
+template <class Scalar>
+bool cpu_eigen<Scalar>::eigen_symmetric_eigen(const matrix& M, matrix& Q, vector& lambda) {
+    Eigen::SelfAdjointEigenSolver<matrix> solver(M, Eigen::ComputeEigenvectors);
+    if (solver.info() != Eigen::Success) return false;
+    Q = solver.eigenvectors();
+    lambda = solver.eigenvalues();
+    return true;
+}
+
+template <class Scalar>
+bool cpu_eigen<Scalar>::eigen_cholesky_inverse(matrix& m) {
+    Eigen::LLT<matrix> llt(m);
+    if (llt.info() != Eigen::Success) return false;
+    m = llt.solve(matrix::Identity(m.rows(), m.cols()));
+    return true;
+}
 
 }  // namespace kfac::backend
