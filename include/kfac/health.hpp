@@ -4,6 +4,7 @@
 /// What the preconditioner tells about the non-finite values it met and contained.
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "kfac/options.hpp"
@@ -31,6 +32,19 @@ struct health_counters {
     /// Decompositions that failed in the backend's type and were retried in double
     /// (options.fp64_retry), whether the retry succeeded or not.
     std::int64_t fp64_retries = 0;
+
+    /// Adds the counts of `o` (a step's, or a load's), each saturating at the largest
+    /// std::int64_t: a counter never wraps, whatever a checkpoint started it at.
+    void add(const health_counters& o) noexcept {
+        const auto sum = [](std::int64_t& c, std::int64_t d) {
+            c = d > std::numeric_limits<std::int64_t>::max() - c ? std::numeric_limits<std::int64_t>::max() : c + d;
+        };
+        sum(skipped_factor_updates, o.skipped_factor_updates);
+        sum(kept_decompositions, o.kept_decompositions);
+        sum(zeroed_gradients, o.zeroed_gradients);
+        sum(skipped_steps, o.skipped_steps);
+        sum(fp64_retries, o.fp64_retries);
+    }
 };
 
 /// What one step() did.

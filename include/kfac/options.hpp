@@ -5,6 +5,7 @@
 /// schedule: a function of the step number k (the count of completed step() calls),
 /// evaluated when it is read, exactly as kfac-pytorch evaluates its callables.
 
+#include <algorithm>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -331,6 +332,27 @@ inline void check_loss_scale(double s, std::optional<std::int64_t> step = std::n
             option_text("loss_scale", number_text(s), step) + " is invalid: it must be finite and > 0 (1: no loss scaling)");
 }
 
+/// The G statistics are divided by s² in the compute type (kfac/detail/statistic_scale.hpp), so
+/// s² and 1/s² must both be normal numbers there: a scale whose square underflows (1e-30 in
+/// float) would overflow every statistic and skip every factor update, one whose square
+/// overflows (2^64 in float) would turn them into 0. For float that is 2^-63 <= s <= 2^63, for
+/// double 2^-511 <= s <= 2^511. The constructor checks a constant, step() a schedule's values.
+template <class Scalar>
+void check_loss_scale_representable(double s, std::optional<std::int64_t> step = std::nullopt) {
+    const double square = s * s;
+    const auto smallest = static_cast<double>(std::numeric_limits<Scalar>::min());
+    const auto largest = static_cast<double>(std::numeric_limits<Scalar>::max());
+    if (square >= smallest && square <= largest && 1.0 / square >= smallest && 1.0 / square <= largest) return;
+    const double low = std::sqrt(std::max(smallest, 1.0 / largest)), high = std::sqrt(std::min(largest, 1.0 / smallest));
+    const char* type = sizeof(Scalar) == sizeof(float) ? "float" : "double";
+    throw error(option_text("loss_scale", number_text(s), step) + " is out of the compute type's range: s² and 1/s² " +
+                "must be normal numbers of " + type + " (" + number_text(low) + " <= s <= " + number_text(high) +
+                "), since the G statistics are divided by s²; " +
+                (s < 1.0 ? "a scale this small means the loss underflows, so set a floor on the scaler's scale"
+                         : "a scaler's scale this large means its steps keep succeeding without overflow, so cap "
+                           "its growth"));
+}
+
 inline void check_interval(const char* name, std::int64_t v, std::optional<std::int64_t> step = std::nullopt) {
     require(v > 0, option_text(name, std::to_string(v), step) + " is invalid: it must be a positive number of steps");
 }
@@ -378,7 +400,8 @@ inline void validate(const options& o) {
     require(std::isfinite(o.allreduce_bucket_cap_mb) && o.allreduce_bucket_cap_mb >= 0.0 &&
                 o.allreduce_bucket_cap_mb <= 1099511627776.0,
             "options.allreduce_bucket_cap_mb = " + detail::number_text(o.allreduce_bucket_cap_mb) +
-                " is invalid: it must be finite and >= 0 (0: no bucketing; 25 is the default)");
+                " is invalid: it must be finite and lie in [0, 1099511627776] (2^40 MiB, beyond which the byte "
+                "count overflows; 0: no bucketing; 25 is the default)");
     require(o.grad_worker_fraction >= 0.0 && o.grad_worker_fraction <= 1.0,
             "options.grad_worker_fraction = " + std::to_string(o.grad_worker_fraction) +
                 " is invalid: it must lie in [0, 1] (kfac::comm_opt, kfac::hybrid_opt, kfac::mem_opt)");

@@ -532,7 +532,10 @@ TEST_CASE("overlapped factor allreduce: the numbers of the blocking one, bit for
                 CHECK(a.layers[i].grad_bias == b.layers[i].grad_bias);
             }
         }
+        const auto layers = blocking.layers();
         for (std::size_t i = 0; i < a.layers.size(); ++i) {
+            const auto& holders = layers[i].factor_holders;  // under DP-KFAC, the owner alone
+            if (std::find(holders.begin(), holders.end(), world_rank()) == holders.end()) continue;
             CHECK(blocking.a_factor(layer_name(i)) == overlapped.a_factor(layer_name(i)));
             CHECK(blocking.g_factor(layer_name(i)) == overlapped.g_factor(layer_name(i)));
         }
@@ -678,8 +681,18 @@ TEST_CASE("DP-KFAC: only the owner holds a layer's factors", "[mpi][dp_kfac]") {
     CHECK(c.broadcast_calls == (world_size() > 1 ? 3 : 0));  // one gradient broadcast per layer
     for (std::size_t i = 0; i < m.layers.size(); ++i) {
         const std::string name = layer_name(i);
-        const bool owner = p.workers(name).a == world_rank();
-        CHECK(p.a_factor(name).isIdentity() != owner);  // non-owners never update
+        const int owner = p.workers(name).a;
+        if (owner == world_rank()) {
+            CHECK_FALSE(p.a_factor(name).isIdentity());
+            CHECK_FALSE(p.g_factor(name).isIdentity());
+            continue;
+        }
+        // A non-owner keeps no factors: its matrices are the identity they started at, which
+        // must not pass for the layer's factor. The error names the rank that has it.
+        const std::string owner_text = "rank " + std::to_string(owner) + " does (its owner)";
+        CHECK_THROWS_WITH(p.a_factor(name), Catch::Contains(name) && Catch::Contains(owner_text) &&
+                                                Catch::Contains("dp_kfac") && Catch::Contains("a_factor()"));
+        CHECK_THROWS_WITH(p.g_factor(name), Catch::Contains(owner_text) && Catch::Contains("g_factor()"));
     }
 }
 
@@ -755,7 +768,9 @@ TEST_CASE("checkpoints: one file from every strategy, and failures raised on eve
         const auto layers = p.layers();
         for (std::size_t i = 0; i < layers.size(); ++i) {
             const int holder = layers[i].factor_holders.front();
-            Eigen::MatrixXd a = p.a_factor(layer_name(i));
+            // Only a holder keeps the factors (under DP-KFAC the others raise an error).
+            Eigen::MatrixXd a = world_rank() == holder ? p.a_factor(layer_name(i))
+                                                       : Eigen::MatrixXd(layers[i].a_dim, layers[i].a_dim);
             world_broadcast(a.data(), static_cast<std::size_t>(a.size()), holder);
             if (world_rank() != 0) continue;
             kfac::KFAC<kfac::backend::cpu_eigen<double>> single(o);

@@ -22,6 +22,7 @@
 #include <kfac/checkpoint/state_dict.hpp>
 #include <kfac/kfac.hpp>
 
+#include "unit/layer_kinds.hpp"
 #include "unit/test_util.hpp"
 
 namespace {
@@ -462,7 +463,7 @@ TEST_CASE("save refuses a step in progress; a step-0 checkpoint holds identities
     CHECK(kfac::checkpoint::parse(at_zero, "t").metadata.at("second_order") == "none yet");
     m.fill(0, 0);
     p.accumulate();
-    CHECK_THROWS_WITH(p.save_bytes(), Catch::Contains("accumulate()") && Catch::Contains("save after step()"));
+    CHECK_THROWS_WITH(p.save_bytes(), Catch::Contains("save() after 1 accumulate()") && Catch::Contains("after its step()"));
     model<double> m2;
     P64 q(opts);
     m2.register_with(q);
@@ -881,4 +882,215 @@ TEST_CASE("a checkpoint is its state_dict: the fields read back, and writing the
     a.metadata["layers"] = "4";
     CHECK_THROWS_WITH(ck::from_archive(ck::parse(reseal(a), "test"), "test"),
                       Catch::Contains("metadata 'layers' = '4' but it holds 3 layer entries"));
+}
+
+namespace {
+
+/// `a` with every element of tensor `name` multiplied by `factor` (F64 tensors).
+kfac::checkpoint::archive with_scaled_tensor(kfac::checkpoint::archive a, const std::string& name, double factor) {
+    const auto* t = a.find(name);
+    REQUIRE(t != nullptr);
+    const std::vector<double> v = t->values<double>();
+    for (std::size_t i = 0; i < v.size(); ++i) a = with_element(std::move(a), name, i, factor * v[i]);
+    return a;
+}
+
+}  // namespace
+
+TEST_CASE("second-order data that no save() writes is refused: signs, scales, products", "[checkpoint][integrity]") {
+    // Each edit below loaded before, finite and symmetric as it is, and the next step then ran
+    // on it: a negated D reverses every gradient of its layer, eigenvectors scaled by 10^6
+    // multiply it by 10^12.
+    saved_run run;
+    target t;
+    const auto a = kfac::checkpoint::parse(run.bytes, "test");
+    t.require_load_fails(reseal(with_scaled_tensor(a, "conv.eigenvalue_product_inverse", -1.0)),
+                         {"(bytes in memory)", "layer 'conv'", "'conv.eigenvalue_product_inverse'", "positive", "corrupt",
+                          "recompute_second_order"});
+    // One entry 10^30, above 1/γ: it is no longer 1/(λ_A λ_G + γ).
+    t.require_load_fails(reseal(with_element(a, "fc1.eigenvalue_product_inverse", 0, 1e30)),
+                         {"layer 'fc1'", "'fc1.eigenvalue_product_inverse'", "1/(λ_A λ_G + p)", "(0, 0)"});
+    // One unit in the last place too many is rounding; a relative 1e-12 too many is not either's.
+    const double d0 = element(a, "fc1.eigenvalue_product_inverse", 0);
+    t.require_load_fails(reseal(with_element(a, "fc1.eigenvalue_product_inverse", 0, d0 * (1 + 1e-12))),
+                         {"'fc1.eigenvalue_product_inverse'"});
+    CHECK_NOTHROW(target().p.load_bytes(
+        reseal(with_element(a, "fc1.eigenvalue_product_inverse", 0, std::nextafter(d0, 2 * d0)))));
+    t.require_load_fails(reseal(with_scaled_tensor(a, "fc2.G.eigenvectors", 1e6)),
+                         {"layer 'fc2'", "'fc2.G.eigenvectors'", "squared norm", "orthonormal"});
+    // Two equal columns: unit norms, but not orthogonal. fc1.A is 6 x 6: column 1 is elements
+    // 1, 7, 13, ...
+    auto twin = a;
+    for (std::size_t i = 0; i < 6; ++i) twin = with_element(twin, "fc1.A.eigenvectors", 6 * i + 1, element(a, "fc1.A.eigenvectors", 6 * i));
+    t.require_load_fails(reseal(twin), {"'fc1.A.eigenvectors'", "not orthogonal"});
+    t.require_load_fails(reseal(with_element(a, "fc1.A.eigenvalues", 2, -0.5)),
+                         {"'fc1.A.eigenvalues'", "-0.5", ">= 0"});
+    // A negated eigenvector is as valid as the original: it loads.
+    auto flipped = a;
+    for (std::size_t i = 0; i < 6; ++i) flipped = with_element(flipped, "fc1.A.eigenvectors", 6 * i + 2, -element(a, "fc1.A.eigenvectors", 6 * i + 2));
+    CHECK_NOTHROW(target().p.load_bytes(reseal(flipped)));
+    // Recomputing the data from the factors ignores the file's: the edited file then loads.
+    target r;
+    r.p.load_bytes(reseal(with_scaled_tensor(a, "conv.eigenvalue_product_inverse", -1.0)),
+                   {.recompute_second_order = true});
+    CHECK(r.p.steps() == 4);
+    t.p.load_bytes(run.bytes);
+    CHECK(t.p.steps() == 4);
+}
+
+TEST_CASE("a damped inverse whose diagonal is not positive is refused", "[checkpoint][integrity]") {
+    using P = precond_of<kfac::backend::cpu_eigen<double>, kfac::compute::inverse>;
+    auto run = [](P& p, model<double>& m, std::int64_t steps) {
+        std::vector<std::vector<double>> ignored;
+        m.run(p, 0, steps, 1, ignored);
+    };
+    model<double> m;
+    P saved(resume_options(1));
+    m.register_with(saved);
+    run(saved, m, 4);
+    const auto a = kfac::checkpoint::parse(saved.save_bytes(), "test");
+    model<double> m2;
+    P fresh(resume_options(1));
+    m2.register_with(fresh);
+    // A negated inverse reversed every gradient of its layer (cosine -1 with the saved run's).
+    check_load_error(fresh, reseal(with_scaled_tensor(a, "fc1.A.inverse", -1.0)),
+                     {"layer 'fc1'", "'fc1.A.inverse'", "(0, 0)", "positive", "corrupt"});
+    check_load_error(fresh, reseal(with_element(a, "conv.G.inverse", 4, 0.0)), {"'conv.G.inverse'", "(1, 1)"});
+    CHECK(fresh.steps() == 0);
+    fresh.load_bytes(reseal(a));
+    CHECK(fresh.steps() == 4);
+}
+
+namespace {
+
+/// Saves a preconditioner of every layer kind after three inverse updates and loads the file
+/// into a fresh one of the same options (and of the other precision): the second-order checks
+/// must pass every file save() writes.
+template <class T, class U, class Method>
+void check_every_kind_reloads(const kfac::options& o) {
+    auto layers = kfac_test::every_kind<T>();
+    layers.emplace_back("fc", kfac_test::random_linear<T>(10, 6, 4, true, 51));
+    kfac::KFAC<kfac::backend::cpu_eigen<T>, kfac::comm::serial, Method> p(o);
+    for (auto& [name, l] : layers) p.register_layer(name, l.view);
+    for (int k = 0; k < 3; ++k) {
+        for (std::size_t i = 0; i < layers.size(); ++i) kfac_test::refill_gradients(layers[i].second, 10 * static_cast<std::uint32_t>(k + i));
+        p.step();
+    }
+    const std::string bytes = p.save_bytes();
+    auto other_layers = kfac_test::every_kind<U>();
+    other_layers.emplace_back("fc", kfac_test::random_linear<U>(10, 6, 4, true, 51));
+    kfac::KFAC<kfac::backend::cpu_eigen<U>, kfac::comm::serial, Method> q(o);
+    for (auto& [name, l] : other_layers) q.register_layer(name, l.view);
+    q.load_bytes(bytes);
+    CHECK(q.steps() == 3);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("every file save() writes passes the second-order checks: layer kinds, damping, precisions",
+                   "[checkpoint][integrity]", kfac::compute::eigendecomposition, kfac::compute::inverse) {
+    kfac::options o;
+    o.damping = 0.003;
+    o.threads = 1;
+    SECTION("reference damping") {}
+    SECTION("relative damping") { o.relative_damping = true; }
+    SECTION("factored damping") { o.damping_mode = kfac::damping_form::factored; }
+    SECTION("relative factored damping, a small γ") {
+        o.relative_damping = true;
+        o.damping_mode = kfac::damping_form::factored;
+        o.damping = 1e-7;
+    }
+    SECTION("a large γ") { o.damping = 10.0; }
+    check_every_kind_reloads<double, double, TestType>(o);
+    check_every_kind_reloads<float, float, TestType>(o);
+    check_every_kind_reloads<double, float, TestType>(o);
+    check_every_kind_reloads<float, double, TestType>(o);
+}
+
+TEST_CASE("a step count step() cannot advance is refused, and no counter wraps", "[checkpoint][integrity]") {
+    saved_run run;
+    target t;
+    const auto a = kfac::checkpoint::parse(run.bytes, "test");
+    auto at_max = a;
+    at_max.metadata["step"] = std::to_string(std::numeric_limits<std::int64_t>::max());
+    t.require_load_fails(reseal(at_max), {"'step' = '9223372036854775807'", "cannot advance", "corrupt"});
+    // One below: it loads, one step counts, and the next is refused before anything changes.
+    auto below = a;
+    below.metadata["step"] = std::to_string(std::numeric_limits<std::int64_t>::max() - 1);
+    below.metadata["health.zeroed_gradients"] = std::to_string(std::numeric_limits<std::int64_t>::max());
+    target u;
+    u.p.load_bytes(reseal(below));
+    u.m.fill(0, 0);
+    u.p.step();
+    CHECK(u.p.steps() == std::numeric_limits<std::int64_t>::max());
+    CHECK_THROWS_WITH(u.p.step(), Catch::Contains("step count") && Catch::Contains("cannot advance"));
+    CHECK(u.p.steps() == std::numeric_limits<std::int64_t>::max());
+    CHECK(u.p.health().zeroed_gradients == std::numeric_limits<std::int64_t>::max());
+    kfac::health_counters h{.zeroed_gradients = std::numeric_limits<std::int64_t>::max() - 1};
+    h.add({.zeroed_gradients = 5, .skipped_steps = 2});
+    CHECK(h.zeroed_gradients == std::numeric_limits<std::int64_t>::max());  // saturates, never wraps
+    CHECK(h.skipped_steps == 2);
+}
+
+TEST_CASE("recorded option values are checked as the constructor checks them", "[checkpoint][integrity]") {
+    saved_run run;
+    target t;
+    const auto a = kfac::checkpoint::parse(run.bytes, "test");
+    struct edit {
+        const char* key;
+        const char* value;
+        std::vector<std::string> phrases;
+    };
+    const std::vector<edit> edits = {
+        {"option.damping", "nan", {"'option.damping' = 'nan'", "damping must be finite and > 0"}},
+        {"option.factor_decay", "7", {"'option.factor_decay' = '7'", "[0, 1)"}},
+        {"option.averaging", "bogus", {"'option.averaging' = 'bogus'", "'reference', 'bias_corrected'"}},
+        {"option.kl_clip", "-1", {"'option.kl_clip' = '-1'", "> 0"}},
+        {"option.inv_update_steps", "0", {"'option.inv_update_steps' = '0'", "positive"}},
+        {"option.accumulation_steps", "two", {"'option.accumulation_steps' = 'two'", "not an integer"}},
+        {"option.symmetry_aware", "yes", {"'option.symmetry_aware' = 'yes'", "'true', 'false'"}},
+        {"option.grad_worker_fraction", "1.5", {"'option.grad_worker_fraction' = '1.5'"}},
+        {"saved_world_size", "-7", {"'saved_world_size' = '-7'"}},
+        {"saved_world_size", "0", {"'saved_world_size' = '0'", "world size"}},
+        {"saved_strategy", "fastest", {"'saved_strategy' = 'fastest'", "'comm_opt'"}},
+        {"scalar", "half", {"'scalar' = 'half'", "neither float nor double"}},
+    };
+    for (const auto& e : edits) {
+        INFO(e.key << " = " << e.value);
+        auto bad = a;
+        bad.metadata[e.key] = e.value;
+        auto phrases = e.phrases;
+        phrases.push_back("corrupt");
+        t.require_load_fails(reseal(bad), phrases);
+        // Allowing changed options does not make an invalid value valid.
+        t.require_load_fails(reseal(bad), phrases, {.allow_changed_options = true});
+    }
+    // What save() writes for a schedule, and a later library's option, load.
+    auto scheduled = a;
+    scheduled.metadata["option.option_of_a_later_version"] = "anything";
+    CHECK_NOTHROW(target().p.load_bytes(reseal(scheduled)));
+    CHECK(kfac::checkpoint::saved_option_fault("damping", "schedule").empty());
+    CHECK(kfac::checkpoint::saved_option_fault("kl_clip", "none").empty());
+    CHECK(kfac::checkpoint::saved_option_fault("factor_storage", "bf16").empty());
+    CHECK_FALSE(kfac::checkpoint::saved_option_fault("accumulation_steps", "schedule").empty());
+}
+
+TEST_CASE("load refuses a step in progress, as save does, and changes nothing", "[checkpoint]") {
+    auto opts = resume_options(2);
+    saved_run run;
+    model<double> m;
+    P64 p(opts);
+    m.register_with(p);
+    m.fill(0, 0);
+    p.accumulate();
+    // Before, load() was accepted and dropped the pending pass: the next step() then blamed the
+    // host ("step() after 0 accumulate() call(s)").
+    check_load_error(p, run.bytes, {"load()", "after 1 accumulate() call(s)", "before the step's first accumulate()"},
+                     {.allow_changed_options = true});
+    CHECK(p.steps() == 0);
+    m.fill(0, 1);
+    CHECK_NOTHROW(p.step());  // the pending pass is still there: the step completes it
+    CHECK(p.steps() == 1);
+    CHECK_NOTHROW(p.load_bytes(run.bytes, {.allow_changed_options = true}));
+    CHECK(p.steps() == 4);
 }

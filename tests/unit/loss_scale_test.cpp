@@ -186,3 +186,38 @@ TEST_CASE("an invalid loss scale is an error that names it and changes nothing",
     CHECK(p.steps() == 1);
     CHECK(p.a_factor("fc") == a);
 }
+
+TEST_CASE("a loss scale whose square is not normal in the compute type is refused, constant or scheduled",
+          "[loss_scale]") {
+    // The G statistics are divided by s²: s = 1e-30 makes s² underflow in float (every statistic
+    // then overflows and every factor update was skipped), 2^64 makes it overflow. Both ends are
+    // refused, and the bounds themselves (2^-63 and 2^63 in float) are accepted.
+    using float_precond = kfac::KFAC<kfac::backend::cpu_eigen<float>>;
+    for (const double s : {1e-30, 0x1p-64, 0x1p64, 1e300}) {
+        kfac::options o;
+        o.loss_scale = s;
+        CHECK_THROWS_WITH(float_precond(o), Catch::Contains("options.loss_scale = ") && Catch::Contains("range") &&
+                                                Catch::Contains("<= s <="));
+    }
+    for (const double s : {1e-300, 1e300}) {
+        kfac::options o;
+        o.loss_scale = s;
+        CHECK_THROWS_WITH(scaled_precond(o), Catch::Contains("options.loss_scale = ") && Catch::Contains("range"));
+    }
+    for (const double s : {0x1p-63, 0x1p63}) {
+        kfac::options o;
+        o.loss_scale = s;
+        CHECK_NOTHROW(float_precond(o));
+    }
+    double scale = 4.0;
+    kfac::options scheduled;
+    scheduled.loss_scale = [&](std::int64_t) { return scale; };
+    float_precond p(scheduled);
+    auto l = random_linear<float>(6, 3, 2, true, 5);
+    p.register_layer("fc", l.view);
+    p.step();
+    scale = 1e-30;  // s² below float's smallest normal: a statistic divided by it overflows
+    CHECK_THROWS_WITH(p.step(), Catch::Contains("loss_scale") && Catch::Contains("step 1") && Catch::Contains("range"));
+    CHECK(p.steps() == 1);
+    CHECK(p.health().skipped_factor_updates == 0);
+}

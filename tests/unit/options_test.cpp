@@ -36,3 +36,15 @@ TEST_CASE("defaults are kfac-pytorch's", "[options]") {
     CHECK(o.conv_patches == kfac::conv_patch_mode::reference);
     CHECK_NOTHROW(kfac::validate(o));
 }
+
+TEST_CASE("an allreduce bucket cap beyond its bound names the bound, not a rule it meets", "[options]") {
+    // 1e300 is finite and >= 0; what it breaks is the upper bound (2^40 MiB), which the
+    // message must name.
+    kfac::options o;
+    o.allreduce_bucket_cap_mb = 1e300;
+    CHECK_THROWS_WITH(kfac::validate(o), Catch::Contains("allreduce_bucket_cap_mb = 1e+300") &&
+                                             Catch::Contains("[0, 1099511627776]") &&
+                                             !Catch::Contains("finite and >= 0"));
+    o.allreduce_bucket_cap_mb = 1099511627776.0;
+    CHECK_NOTHROW(kfac::validate(o));
+}

@@ -214,3 +214,52 @@ TEST_CASE("reading a folder, a device or a pipe is an error naming it", "[checkp
     CHECK_THROWS_WITH(ck::read_file(fifo), Contains(fifo.string()) && Contains("not a regular file"));
     std::filesystem::remove_all(dir);
 }
+
+namespace {
+
+/// `bytes` with its JSON header replaced by `header` (padded with spaces to 8 bytes, as
+/// serialize() pads it), the data section unchanged.
+std::string with_header(const std::string& bytes, std::string header) {
+    const std::uint64_t old_size = header_size(bytes);
+    while (header.size() % 8 != 0) header += ' ';
+    std::string out(8, '\0');
+    const std::uint64_t n = header.size();
+    std::memcpy(out.data(), &n, 8);
+    return out + header + bytes.substr(8 + old_size);
+}
+
+}  // namespace
+
+TEST_CASE("a name twice in one JSON object is refused at every level of a header", "[checkpoint][safetensors][json]") {
+    // Which copy wins would silently decide a tensor's data or a metadata entry (the second copy
+    // won before): a tensor twice, a metadata key twice, two __metadata__ objects, and a
+    // duplicate inside a tensor's entry are each an error naming the name.
+    CHECK_THROWS_WITH(ck::json_text::parse("{\"a\": 1, \"b\": {\"c\": 2, \"c\": 3}}"),
+                      Contains("\"c\"") && Contains("appears twice"));
+    CHECK_NOTHROW(ck::json_text::parse("{\"a\": {\"c\": 1}, \"b\": {\"c\": 2}}"));  // the same name in two objects
+    ck::archive a;
+    const float f[2] = {1.f, 2.f};
+    a.tensors.push_back(ck::tensor::from("x", f, {2}));
+    a.metadata["key"] = "one";
+    const std::string bytes = ck::serialize(a);
+    std::string header = bytes.substr(8, header_size(bytes));
+    while (!header.empty() && header.back() == ' ') header.pop_back();
+    REQUIRE(ck::parse(with_header(bytes, header), "f").tensors.size() == 1);
+    const std::size_t at = header.find("\"x\":{");
+    REQUIRE(at != std::string::npos);
+    const std::string tensor_entry = header.substr(at, header.find('}', at) + 1 - at);  // "x":{...}
+    const std::string metadata = "\"__metadata__\":{\"key\":\"one\"}";
+    REQUIRE(header.find(metadata) != std::string::npos);
+    const std::string twice_tensor = "{" + tensor_entry + "," + header.substr(1);
+    const std::string twice_key = std::string(header).replace(header.find(metadata), metadata.size(),
+                                                              "\"__metadata__\":{\"key\":\"one\",\"key\":\"two\"}");
+    const std::string twice_metadata = std::string(header).replace(header.size() - 1, 1, "," + metadata + "}");
+    const std::string twice_dtype = std::string(header).replace(header.find("\"dtype\""), 0, "\"dtype\":\"F64\",");
+    const std::pair<const std::string*, const char*> cases[] = {
+        {&twice_tensor, "\"x\""}, {&twice_key, "\"key\""}, {&twice_metadata, "\"__metadata__\""}, {&twice_dtype, "\"dtype\""}};
+    for (const auto& [text, name] : cases) {
+        INFO(*text);
+        CHECK_THROWS_WITH(ck::parse(with_header(bytes, *text), "dup.safetensors"),
+                          Contains("checkpoint dup.safetensors") && Contains(name) && Contains("appears twice"));
+    }
+}

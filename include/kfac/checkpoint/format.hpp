@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -224,7 +225,15 @@ inline void seal(archive& a) { a.metadata[key::checksum] = expected_checksum(a);
                     "', but this kfac (" + library_version() + ") knows only '" + checksum_scope_all +
                     "'; the file was not written by kfac's save()");
     h.step = integer(key::step);
+    if (h.step == std::numeric_limits<std::int64_t>::max())
+        throw error("checkpoint " + source + ": metadata '" + key::step + "' = '" + std::to_string(h.step) +
+                    "' is a count step() cannot advance (the largest a std::int64_t holds); the file is corrupt (use "
+                    "an earlier checkpoint)");
     h.scalar = meta(key::scalar);
+    if (h.scalar != "float" && h.scalar != "double")
+        throw error("checkpoint " + source + ": metadata '" + key::scalar + "' = '" + h.scalar +
+                    "' is neither float nor double, the scalar types save() records; the file is corrupt (use an "
+                    "earlier checkpoint)");
     h.method = meta(key::method);
     h.second_order = meta(key::second_order);
     if (h.second_order != "included" && h.second_order != "omitted" && h.second_order != "none yet")

@@ -2,13 +2,15 @@
 #pragma once
 /// @file json_text.hpp
 /// The little JSON a safetensors header needs: quoting strings when writing, and a strict
-/// parser (RFC 8259: objects, arrays, strings with every escape, numbers, true, false, null)
-/// when reading headers that other writers (Python's safetensors) produced. Kept here so the
-/// core needs no JSON library.
+/// parser (RFC 8259: objects, arrays, strings with every escape, numbers, true, false, null;
+/// a member name twice in one object refused) when reading headers that other writers
+/// (Python's safetensors) produced. Kept here so the core needs no JSON library.
 
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -106,9 +108,13 @@ private:
             v.type = value::kind::object;
             ++i_;
             if (peek() == '}') return ++i_, v;
+            // RFC 8259 leaves duplicate names to the reader; here a name twice in one object
+            // is an error: which copy wins would decide a tensor or a metadata entry silently.
+            std::set<std::string, std::less<>> names;
             for (;;) {
                 if (peek() != '"') fail("expected a member name");
                 std::string key = parse_string();
+                if (!names.insert(key).second) fail("the member name " + quote(key) + " appears twice in one object");
                 expect(':');
                 v.object.emplace_back(std::move(key), parse_value(depth + 1));
                 if (peek() == ',') { ++i_; continue; }

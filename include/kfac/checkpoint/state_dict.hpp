@@ -10,13 +10,13 @@
 
 #include <charconv>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "kfac/checkpoint/format.hpp"
+#include "kfac/checkpoint/saved_options.hpp"
 #include "kfac/checkpoint/safetensors.hpp"
 #include "kfac/detail/configuration_check.hpp"
 #include "kfac/health.hpp"
@@ -124,10 +124,27 @@ inline constexpr const char* fp16_exponent_prefix = "fp16_exponent.";
         throw error("checkpoint " + source + ": metadata '" + key::layers + "' = '" + std::to_string(declared) +
                     "' but it holds " + std::to_string(s.layers.size()) + " layer entries; the file is corrupt (use "
                     "an earlier checkpoint)");
-    // Information only, never checked on load: read where present and well formed.
-    if (const auto it = a.metadata.find(key::world_size); it != a.metadata.end())
-        s.world_size = std::strtoll(it->second.c_str(), nullptr, 10);
-    if (const auto it = a.metadata.find(key::strategy); it != a.metadata.end()) s.strategy = it->second;
+    // Recorded options: values the constructor accepts (kfac/checkpoint/saved_options.hpp).
+    for (const auto& [name, text] : s.options)
+        if (const std::string fault = saved_option_fault(name, text); !fault.empty())
+            throw error("checkpoint " + source + ": metadata '" + key::option_prefix + name + "' = '" + text +
+                        "' is invalid (" + fault + "); save() never writes that, so the file is corrupt (use an "
+                        "earlier checkpoint)");
+    // Information only, never compared on load; files of version 1 lack them. Where present
+    // they must be what save() writes: a positive world size and a strategy's name.
+    if (const auto it = a.metadata.find(key::world_size); it != a.metadata.end()) {
+        s.world_size = metadata_count(a, key::world_size, source);
+        if (s.world_size < 1)
+            throw error("checkpoint " + source + ": metadata '" + key::world_size + "' = '" + it->second +
+                        "' is not a world size (a positive integer); the file is corrupt (use an earlier checkpoint)");
+    }
+    if (const auto it = a.metadata.find(key::strategy); it != a.metadata.end()) {
+        s.strategy = it->second;
+        if (const std::string fault = saved_option_detail::one_of(s.strategy, {"comm_opt", "hybrid_opt", "mem_opt", "dp_kfac"});
+            !fault.empty())
+            throw error("checkpoint " + source + ": metadata '" + key::strategy + "' = '" + s.strategy + "' is invalid (" +
+                        fault + "); the file is corrupt (use an earlier checkpoint)");
+    }
     s.health.skipped_factor_updates = metadata_count(a, key::health_prefix + "skipped_factor_updates", source);
     s.health.kept_decompositions = metadata_count(a, key::health_prefix + "kept_decompositions", source);
     s.health.zeroed_gradients = metadata_count(a, key::health_prefix + "zeroed_gradients", source);

@@ -26,10 +26,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <utility>
 
 #include "kfac/backend/eigenbasis_reuse.hpp"
 #include "kfac/backend/fp64_decompositions.hpp"
+#include "kfac/checkpoint/second_order_checks.hpp"
+#include "kfac/checkpoint/value_checks.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/options.hpp"
@@ -168,6 +172,33 @@ struct compute_impl<compute::eigendecomposition, Backend> {
         f("G.eigenvectors", l.g.q, 2);
         f("G.eigenvalues", l.g.lambda, 1);
         f("eigenvalue_product_inverse", l.inverse_eigen_product, 2);
+    }
+
+    /// What is wrong with a checkpoint's tensors of this method (for_each_tensor's, as the file
+    /// holds them), by kfac/checkpoint/second_order_checks.hpp: orthonormal eigenvectors,
+    /// eigenvalues >= 0, unit-wise blocks that are covariances, D = 1/(λ_A λ_Gᵀ + p) (or a
+    /// unit-wise block's damped inverses), and a unit-wise block's identity G as the identity.
+    static checkpoint::second_order_fault loaded_fault(const checkpoint::loaded_second_order& in) {
+        using namespace checkpoint;
+        const bool identity_g = in.g_structure == factor_structure::identity;
+        for (const char* name : {"A.eigenvectors", "G.eigenvectors", "A.eigenvalues", "G.eigenvalues"})
+            if (const tensor* t = in.tensor_named(name)) {
+                const bool vectors = std::string_view(name).ends_with("vectors");
+                const std::string fault = name[0] == 'G' && identity_g ? identity_data_fault(*t)
+                                          : vectors                    ? orthonormality_fault(*t, in.unit_roundoff)
+                                                                       : negative_eigenvalue_fault(*t);
+                if (!fault.empty()) return {name, fault};
+            }
+        const tensor* blocks = in.tensor_named("A.blocks");
+        if (blocks && blocks->shape.size() == 2)
+            if (std::string fault = factor_fault(*blocks, factor_structure::unit_wise, blocks->shape[1]); !fault.empty())
+                return {"A.blocks", std::move(fault)};
+        const tensor* d = in.tensor_named("eigenvalue_product_inverse");
+        if (!d) return {};
+        if (in.a_structure == factor_structure::unit_wise) return {"eigenvalue_product_inverse", unit_block_inverse_fault(*d, blocks, in)};
+        const tensor *lambda_a = in.tensor_named("A.eigenvalues"), *lambda_g = in.tensor_named("G.eigenvalues");
+        if (!lambda_a || !lambda_g) return {};  // not saved without them; nothing to compare with
+        return {"eigenvalue_product_inverse", eigen_product_inverse_fault(*d, *lambda_a, *lambda_g, in)};
     }
 };
 

@@ -6,9 +6,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "kfac/backend/fp64_decompositions.hpp"
+#include "kfac/checkpoint/second_order_checks.hpp"
 #include "kfac/detail/compute_impl.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/options.hpp"
@@ -74,6 +76,22 @@ struct compute_impl<compute::inverse, Backend> {
     static void for_each_tensor(LayerData& l, F&& f) {
         f("A.inverse", l.a.inverse, l.a.diagonal ? 1 : 2);
         f("G.inverse", l.g.inverse, 2);
+    }
+
+    /// What is wrong with a checkpoint's damped inverses (kfac/checkpoint/second_order_checks.hpp):
+    /// a dense one's diagonal positive, a diagonal factor's 1/(F + γ) positive and at most 1/γ,
+    /// unit-wise blocks' inverses with positive diagonals, a unit-wise block's G the identity.
+    static checkpoint::second_order_fault loaded_fault(const checkpoint::loaded_second_order& in) {
+        using namespace checkpoint;
+        if (const tensor* a = in.tensor_named("A.inverse")) {
+            const std::string fault = in.a_structure == factor_structure::diagonal  ? diagonal_inverse_fault(*a, in)
+                                      : in.a_structure == factor_structure::unit_wise ? unit_block_inverse_fault(*a, nullptr, in)
+                                                                                       : dense_inverse_fault(*a);
+            if (!fault.empty()) return {"A.inverse", fault};
+        }
+        if (const tensor* g = in.tensor_named("G.inverse"))
+            return {"G.inverse", in.g_structure == factor_structure::identity ? identity_data_fault(*g) : dense_inverse_fault(*g)};
+        return {};
     }
 };
 

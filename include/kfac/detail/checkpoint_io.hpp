@@ -14,15 +14,18 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "kfac/blocks/block.hpp"
 #include "kfac/checkpoint/format.hpp"
 #include "kfac/checkpoint/safetensors.hpp"
+#include "kfac/checkpoint/second_order_checks.hpp"
 #include "kfac/checkpoint/state_dict.hpp"
 #include "kfac/checkpoint/value_checks.hpp"
 #include "kfac/detail/configuration_check.hpp"
@@ -172,6 +175,7 @@ struct checkpoint_io {
             typename method::layer_data data{};
             l.block->prepare_full(data, d, p.get_options());
             const bool mine = use_file_second && l.role.grad_worker;
+            std::map<std::string, const checkpoint::tensor*, std::less<>> layer_tensors;  // by the method's names
             method::for_each_tensor(data, [&](const char* suffix, auto& x, int rank) {
                 const auto rows = static_cast<std::int64_t>(x.rows()), cols = static_cast<std::int64_t>(x.cols());
                 if (rows * cols == 0) return;
@@ -179,8 +183,10 @@ struct checkpoint_io {
                 if (!use_file_second) return;
                 const auto* t = take(name, tensor_name, checkpoint::stored_shape(rows, cols, rank));
                 check_values(name, *t, cols, std::nullopt);
+                layer_tensors[suffix] = t;
                 if (mine) x = to_storage(*t, rows, cols);
             });
+            if (use_file_second) check_second_order(h, b, name, layer_tensors, where);
             if (mine) second = std::move(data);
         }
         if (file_has_second && !use_file_second)  // the file's second-order data, not used
@@ -194,6 +200,42 @@ struct checkpoint_io {
                         std::to_string(unclaimed.size()) + " such tensor(s)); the file was not written by this "
                         "preconditioner's save(), or with other layers");
         return s;
+    }
+
+    /// An option as the file recorded it: its text, or for a file written before the option
+    /// existed the value that reproduces that library's behaviour.
+    static std::string file_option(const checkpoint::state_dict& h, const std::string& option) {
+        const auto it = h.options.find(option);
+        return it != h.options.end() ? it->second : checkpoint::value_before_option_existed(option);
+    }
+
+    /// A layer's second-order data checked as its method says every save() writes it
+    /// (compute_impl::loaded_fault, kfac/checkpoint/second_order_checks.hpp), on every rank.
+    static void check_second_order(const checkpoint::state_dict& h, const blocks::block_layout& b,
+                                   const std::string& layer,
+                                   const std::map<std::string, const checkpoint::tensor*, std::less<>>& tensors,
+                                   const std::string& where) {
+        if constexpr (requires(const checkpoint::loaded_second_order& in) { method::loaded_fault(in); }) {
+            checkpoint::loaded_second_order in;
+            in.tensor_named = [&](const char* suffix) -> const checkpoint::tensor* {
+                const auto it = tensors.find(std::string_view(suffix));
+                return it == tensors.end() ? nullptr : it->second;
+            };
+            in.a_structure = b.a_structure;
+            in.g_structure = b.g_structure;
+            in.damping = h.damping;
+            in.relative_damping = file_option(h, "relative_damping") == "true";
+            in.factored_damping = file_option(h, "damping_mode") == "factored";
+            // The coarser of the saving preconditioner's type and this one's (the tensors' dtypes
+            // are added by the checks).
+            in.unit_roundoff = std::max(unit_roundoff(h.scalar == "float" ? precision::fp32 : precision::fp64),
+                                        unit_roundoff(precision_of<scalar>));
+            if (const checkpoint::second_order_fault f = method::loaded_fault(in))
+                throw error(where + "layer '" + layer + "': tensor '" + layer + "." + f.tensor + "' " + f.what +
+                            "; save() never writes that, so the file is corrupt or was edited (use an earlier "
+                            "checkpoint, or load with load_options{.recompute_second_order = true} to recompute the "
+                            "data from the saved factors)");
+        }
     }
 
     /// Options that shape the numbers must be the file's, unless the caller allows changes;

@@ -202,8 +202,12 @@ public:
     [[nodiscard]] const layer_record& find(const std::string& name) const { return layers_[index_of(name)]; }
     /// A layer's running A (a: true) or G factor: the state's matrix, or with
     /// options.factor_storage its widened copy, kept until the next call for that layer.
+    /// @throws kfac::error on a rank that does not keep the layer's factors (DP-KFAC's
+    ///         non-owners), naming the rank that does.
     [[nodiscard]] const matrix& factor(const std::string& name, bool a) const {
-        const layer_record& l = find(name);
+        const std::size_t i = index_of(name);
+        const layer_record& l = layers_[i];
+        if (!l.role.holds_factors) throw_factor_not_held(i, a);
         if (!storage_.packs()) return a ? l.state.a_factor : l.state.g_factor;
         auto& copy = a ? l.scratch.widened_a : l.scratch.widened_g;
         copy = storage_.value(l.state, a);
@@ -245,6 +249,8 @@ private:
     [[nodiscard]] bool skipped(const std::string& name, layer_kind kind) const;
     [[nodiscard]] bool reduces(const std::string& name, layer_kind kind) const;
     [[nodiscard]] std::size_t index_of(const std::string& name) const;
+    /// factor()'s error on a rank whose role keeps no factors of layer i.
+    [[noreturn]] void throw_factor_not_held(std::size_t i, bool a) const;
 
     // configuration and placement (engine_setup.hpp)
     void check_eigenbasis_reuse_supported() const;
@@ -315,6 +321,8 @@ private:
     void abandon_early_decompositions() noexcept;
 
     // checkpoints
+    /// save() and load() between steps only (not after a step's accumulate() calls), agreed.
+    void check_between_steps(const char* call) const;
     void load_from(std::string bytes, const std::string& source, const checkpoint::load_options& o);
     /// One tensor of the state onto rank 0 from `source` (a broadcast when that is another rank).
     template <class Storage>

@@ -99,6 +99,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::load_from(std::string bytes, co
                                                            const checkpoint::load_options& o) {
     setup();
     comm::announce_phase(comm_, "loading a checkpoint");
+    agree_on([&] { check_between_steps("load()"); });
     bytes = comm_.broadcast_text(bytes, 0);
     staged_state<Backend, method> staged;
     agree_on([&] {
@@ -119,18 +120,26 @@ void engine<Backend, CommPolicy, ComputeMethod>::load_from(std::string bytes, co
     // eigenvectors are kept: every factor is decomposed exactly.
     update_second_order(plan, outcome);
     finish_second_order_broadcasts();
-    health_.kept_decompositions += outcome.health.kept_decompositions;
+    health_.add(outcome.health);
+}
+
+/// A checkpoint holds the state between steps: the statistics of a step's accumulate() passes
+/// are not part of it, so save() would lose them and load() would drop them (the next step()
+/// would then blame the host for calling it after no accumulate()).
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::check_between_steps(const char* call) const {
+    if (passes_ == 0) return;
+    throw error(std::string(call) + " after " + std::to_string(passes_) +
+                " accumulate() call(s) of a step that has not finished; a checkpoint holds the state between "
+                "steps, without a step's pending statistics: " + call + " before the step's first accumulate() or "
+                "after its step()");
 }
 
 template <class Backend, class CommPolicy, class ComputeMethod>
 std::optional<checkpoint::state_dict> engine<Backend, CommPolicy, ComputeMethod>::gather_state(
     const checkpoint::save_options& o) {
     setup();
-    agree_on([&] {
-        if (passes_ != 0)
-            throw error("save() after " + std::to_string(passes_) + " accumulate() call(s) of a step that has "
-                        "not finished; save after step(), when the step's statistics are folded in");
-    });
+    agree_on([&] { check_between_steps("save()"); });
     const bool writer = comm_.rank() == 0;
     const bool second = o.second_order && steps_ > 0;
     checkpoint::state_dict state;

@@ -65,7 +65,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::skip() {
     agree_on([&] { end_pass(); });
     passes_ = 0;
     applied_in_step_ = false;
-    ++health_.skipped_steps;
+    health_.add({.skipped_steps = 1});
 }
 
 }  // namespace kfac::detail

@@ -151,11 +151,8 @@ void engine<Backend, CommPolicy, ComputeMethod>::commit(const step_plan& plan, d
         applied_in_step_ = false;
     }
     last_kl_scale_ = scale;
-    health_.skipped_factor_updates += outcome.health.skipped_factor_updates;
-    health_.kept_decompositions += outcome.health.kept_decompositions;
-    health_.zeroed_gradients += outcome.health.zeroed_gradients;
-    health_.fp64_retries += outcome.health.fp64_retries;
-    ++steps_;
+    health_.add(outcome.health);
+    ++steps_;  // below its largest value: read_plan() refuses a step that could not count
     if (!on_non_finite_) return;
     std::exception_ptr first;
     for (const auto& event : outcome.events) {

@@ -5,6 +5,8 @@
 /// adapter, read once and checked before anything changes, with the same verdict on every rank.
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +25,9 @@ step_plan engine<Backend, CommPolicy, ComputeMethod>::read_plan() {
     comm::announce_phase(comm_, "the step's plan (reading and checking the views)");
     detail::step_plan plan;
     agree_on([&] {
+        if (steps_ == std::numeric_limits<std::int64_t>::max())
+            throw error("step(): the step count is " + std::to_string(steps_) +
+                        ", the largest a std::int64_t holds, and cannot advance; start from a checkpoint of an earlier step");
         plan = detail::read_step_plan<scalar_type>(options_, steps_);
         if (plan.factor_update) {
             if (passes_ + 1 != options_.accumulation_steps)

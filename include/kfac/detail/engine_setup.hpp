@@ -26,6 +26,8 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
     agree_on([&] {
         validate(options_);
         if (!options_.damping.is_schedule()) detail::check_damping_representable<scalar_type>(options_.damping(0));
+        if (!options_.loss_scale.is_schedule())
+            detail::check_loss_scale_representable<scalar_type>(options_.loss_scale(0));
         check_eigenbasis_reuse_supported();
         check_damping_supported();
         skip_filter_ = skip_filter(options_);
@@ -215,6 +217,19 @@ bool engine<Backend, CommPolicy, ComputeMethod>::is_registered(const std::string
     for (const auto& l : layers_)
         if (l.host.name == name || l.host.registered_name == name) return true;
     return false;
+}
+
+/// Under DP-KFAC a layer's factors live on its owner alone; another rank's matrices are the
+/// identity they started at, which would read as a factor that never learned anything.
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::throw_factor_not_held(std::size_t i, bool a) const {
+    const auto& l = layers_[i];
+    const int owner = plan_.layers[i].factor_holders.empty() ? -1 : plan_.layers[i].factor_holders.front();
+    throw layer_error(named(l), std::string(a ? "a_factor()" : "g_factor()") + ": rank " + std::to_string(comm_.rank()) +
+                                    " does not keep this layer's factors under " + strategy_name() + "; rank " +
+                                    std::to_string(owner) +
+                                    " does (its owner): read them there, or save() a checkpoint, which gathers "
+                                    "every layer's factors");
 }
 
 template <class Backend, class CommPolicy, class ComputeMethod>

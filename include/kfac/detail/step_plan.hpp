@@ -26,18 +26,14 @@ struct step_plan {
 };
 
 /// options.loss_scale at step k, checked: finite, > 0, and such that s² and 1/s² are normal
-/// numbers of the compute type (the statistics are divided by s²).
+/// numbers of the compute type (the statistics are divided by s²; check_loss_scale_representable).
 template <class Scalar>
 double read_loss_scale(const options& o, std::int64_t k) {
     if (!loss_scaling(o)) return 1.0;
     const double s = o.loss_scale(k);
-    check_loss_scale(s, k);
-    const double square = s * s;
-    require(square <= static_cast<double>(std::numeric_limits<Scalar>::max()) &&
-                1.0 / square >= static_cast<double>(std::numeric_limits<Scalar>::min()),
-            option_text("loss_scale", number_text(s), k) +
-                " is out of the compute type's range: s² and 1/s² must be normal numbers of it; a scaler's "
-                "scale beyond 2^60 means its steps keep succeeding without overflow, so cap its growth");
+    const std::optional<std::int64_t> step = o.loss_scale.is_schedule() ? std::optional<std::int64_t>(k) : std::nullopt;
+    check_loss_scale(s, step);
+    check_loss_scale_representable<Scalar>(s, step);
     return s;
 }
 
