@@ -21,7 +21,8 @@ struct non_finite_event {
 /// Counters of contained non-finite values. Nothing non-finite ever reaches the gradients
 /// the preconditioner writes: a bad factor statistic is not folded into the running factor,
 /// a failed decomposition keeps the previous one, and a layer whose gradient (or
-/// preconditioned gradient) is not finite gets a zero gradient for that step.
+/// preconditioned gradient, in the compute type or rounded to its view's format) is not finite
+/// gets a zero gradient for that step.
 struct health_counters {
     std::int64_t skipped_factor_updates = 0;  ///< batch statistics with NaN/Inf, not applied
     std::int64_t kept_decompositions = 0;     ///< decompositions that failed; previous kept
@@ -32,6 +33,9 @@ struct health_counters {
     /// Decompositions that failed in the backend's type and were retried in double
     /// (options.fp64_retry), whether the retry succeeded or not.
     std::int64_t fp64_retries = 0;
+    /// Factor updates that options.factor_storage = fp16 kept in bf16 instead, since fp16 would
+    /// have flushed one of the factor's variances to zero or to a subnormal (README, "Precision").
+    std::int64_t storage_fallbacks = 0;
 
     /// Adds the counts of `o` (a step's, or a load's), each saturating at the largest
     /// std::int64_t: a counter never wraps, whatever a checkpoint started it at.
@@ -44,6 +48,7 @@ struct health_counters {
         sum(zeroed_gradients, o.zeroed_gradients);
         sum(skipped_steps, o.skipped_steps);
         sum(fp64_retries, o.fp64_retries);
+        sum(storage_fallbacks, o.storage_fallbacks);
     }
 };
 

@@ -116,8 +116,11 @@ enum class damping_form {
     factored,
 };
 
-/// What the preconditioner reports when it meets NaN or ±Inf (see preconditioner::health).
-enum class non_finite_source { factor_statistics, decomposition, gradient };
+/// What the preconditioner reports when it meets NaN or ±Inf (see preconditioner::health), or
+/// a value it would otherwise lose: `gradient` also when the preconditioned gradient is finite
+/// but beyond its view's format; `factor_storage` when fp16 factor storage would have flushed a
+/// variance of a factor, which is then kept in bf16 (README, "Precision").
+enum class non_finite_source { factor_statistics, decomposition, gradient, factor_storage };
 
 /// Run-time options. Defaults are kfac-pytorch's (KFACPreconditioner) defaults.
 struct options {

@@ -7,6 +7,13 @@
 ///
 /// This class is the API; detail::engine (kfac/detail/engine.hpp) does the work, in the rooms
 /// the includes below list in the order of a step, and step() below is the pipeline.
+///
+/// Threads: one call at a time. step(), accumulate(), save(), load(), registration and
+/// curvature() called while another of them is in progress on the same object (from another
+/// thread, or from the on_non_finite callback) raise a kfac::error and do nothing; the call in
+/// progress completes. The other members read state these calls change: call them when none
+/// is in progress. Different preconditioners may step on different threads (over one process
+/// group too: kfac/comm/process_group.hpp).
 
 #include <cstddef>
 #include <cstdint>
@@ -23,6 +30,7 @@
 #include "kfac/checkpoint/format.hpp"
 #include "kfac/config.hpp"
 #include "kfac/curvature_report.hpp"
+#include "kfac/detail/call_guard.hpp"
 #include "kfac/detail/engine.hpp"
 #include "kfac/detail/engine_registration.hpp"  // layers in
 #include "kfac/detail/engine_setup.hpp"         // options, configuration, placement, reports
@@ -70,6 +78,7 @@ public:
     ///         after the first step; nothing is registered then.
     template <class Layer>
     bool register_layer(const std::string& name, Layer& layer) {
+        const auto call = calls_.enter("register_layer()");
         return engine_.register_layer(name, layer);
     }
 
@@ -80,6 +89,7 @@ public:
     /// @throws kfac::error as register_layer(); nothing is registered then.
     template <class Layer>
     std::size_t register_layers(const std::vector<std::pair<std::string, Layer*>>& list) {
+        const auto call = calls_.enter("register_layers()");
         return engine_.register_layers(list);
     }
 
@@ -91,6 +101,7 @@ public:
     ///         when the host's adapter throws (raised on every rank); the preconditioner,
     ///         the statistics of earlier passes included, is then as it was before the call.
     void accumulate() {
+        const auto call = calls_.enter("accumulate()");
         engine_.accumulate();
     }
 
@@ -120,6 +131,7 @@ public:
     /// With options.loss_scale, a step that overflowed on any rank stops after the plan
     /// (`overflow` below) and changes nothing: see step_result::skipped.
     step_result step() {
+        const auto call = calls_.enter("step()");
         engine_.setup();
         const detail::step_plan plan = engine_.read_plan();
         if (engine_.overflowed(plan)) {  // overflow: the loss scale was too large for this step
@@ -133,7 +145,7 @@ public:
         if (plan.inverse_update) engine_.update_second_order(plan, outcome);
         engine_.precondition_all(plan, outcome);
         const double scale = engine_.kl_clip_scale(plan);
-        engine_.write_back(scale);
+        engine_.write_back(plan, scale, outcome);
         engine_.commit(plan, scale, std::move(outcome));
         return {plan.step, plan.factor_update, plan.inverse_update, false, scale};
     }
@@ -145,14 +157,17 @@ public:
     /// @throws kfac::error (on every rank) when the file cannot be written, or between
     ///         accumulate() and step(); the preconditioner is unchanged either way.
     void save(const std::filesystem::path& path, const checkpoint::save_options& o = {}) {
+        const auto call = calls_.enter("save()");
         engine_.save(path, o);
     }
     /// The bytes save() would write: on rank 0; other ranks get an empty string. Collective.
     [[nodiscard]] std::string save_bytes(const checkpoint::save_options& o = {}) {
+        const auto call = calls_.enter("save_bytes()");
         return engine_.save_bytes(o);
     }
     /// Writes the bytes to `out` on rank 0 (other ranks leave theirs untouched). Collective.
     void save(std::ostream& out, const checkpoint::save_options& o = {}) {
+        const auto call = calls_.enter("save()");
         engine_.save(out, o);
     }
 
@@ -165,14 +180,17 @@ public:
     /// @throws kfac::error naming the file, the layer, what was expected and found, and the
     ///         fix; the preconditioner is then as it was.
     void load(const std::filesystem::path& path, const checkpoint::load_options& o = {}) {
+        const auto call = calls_.enter("load()");
         engine_.load(path, o);
     }
     /// load() from bytes save_bytes() returned; read on rank 0 (others may pass nothing).
     void load_bytes(std::string_view bytes, const checkpoint::load_options& o = {}) {
+        const auto call = calls_.enter("load_bytes()");
         engine_.load_bytes(bytes, o);
     }
     /// load() from a stream, read to its end on rank 0 (others may pass any stream).
     void load(std::istream& in, const checkpoint::load_options& o = {}) {
+        const auto call = calls_.enter("load()");
         engine_.load(in, o);
     }
 
@@ -211,7 +229,10 @@ public:
     /// inverse update at this step would use and the resulting curvature share. Decomposes the
     /// factors this rank keeps (a diagnostic: call it once an epoch, not every step). Not
     /// collective.
-    [[nodiscard]] std::vector<layer_curvature> curvature() const { return engine_.curvature(); }
+    [[nodiscard]] std::vector<layer_curvature> curvature() const {
+        const auto call = calls_.enter("curvature()");
+        return engine_.curvature();
+    }
     /// Bytes this rank holds for K-FAC, by kind (kfac::memory_report). Not collective.
     [[nodiscard]] memory_report memory_usage() const { return engine_.memory_usage(); }
     /// Name of the distribution in force: comm_opt, hybrid_opt, mem_opt or dp_kfac.
@@ -221,6 +242,9 @@ public:
 
 private:
     engine_type engine_;
+    /// The call in progress (kfac/detail/call_guard.hpp): a second one, from another thread, is
+    /// refused. mutable: curvature() is const but decomposes the factors a step changes.
+    mutable detail::exclusive_calls calls_;
 };
 
 }  // namespace kfac

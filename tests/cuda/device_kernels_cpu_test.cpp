@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <limits>
 
 #include <thrust/system/cpp/execution_policy.h>
@@ -226,5 +227,17 @@ TEST_CASE("the format kernels round as the host does: bf16/fp16 device views", "
         kfac::detail::widen(from_double.data(), n, f, host_widened.data());
         for (std::size_t i = 0; i < values.size(); ++i)
             CHECK((widened[i] == host_widened[i] || (std::isnan(widened[i]) && std::isnan(host_widened[i]))));
+        // The write-back's check: as many values beyond the format as the host counts, which are
+        // the ones narrowed to a non-finite value (65520 and 1e300, ±Inf and NaN at least).
+        const auto beyond = kernels::count_beyond_format(thrust::cpp::par, values.data(), n, f);
+        CHECK(beyond == kfac::detail::count_beyond_format(values.data(), n, f));
+        CHECK(beyond == std::count_if(host.begin(), host.end(), [&](std::uint16_t b) {
+                  return !std::isfinite(kfac::detail::widen_16_bits(b, f));
+              }));
+        CHECK(beyond >= (f == kfac::precision::fp16 ? 4 : 3));
+        CHECK(kernels::count_beyond_format(thrust::cpp::par, floats.data(), n, f) ==
+              kfac::detail::count_beyond_format(floats.data(), n, f));
     }
+    CHECK(kernels::count_beyond_format(thrust::cpp::par, values.data(), n, kfac::precision::fp32) ==
+          kfac::detail::count_beyond_format(values.data(), n, kfac::precision::fp32));
 }

@@ -387,6 +387,49 @@ TEST_CASE("a non-finite gradient on one rank only zeroes the layer on every rank
     }
 }
 
+TEST_CASE("a gradient beyond one rank's view format zeroes the layer on every rank", "[mpi][agreement][precision]") {
+    // The last rank hands float views of the same values to the double backend: P, about
+    // 10³ · 10³⁶ (1/damping times the gradient, tiny factors), is finite in double and beyond
+    // float. That rank cannot write it; every rank zeroes the layer, so the models stay alike.
+    kfac::options o;
+    o.kl_clip = std::nullopt;
+    o.factor_decay = 0.0;
+    for (double f : {kfac::comm_opt, kfac::mem_opt}) {
+        o.grad_worker_fraction = f;
+        auto wide = random_linear<double>(16, 4, 3, true, 61);
+        for (double& x : wide.input) x *= 1e-3;
+        for (double& x : wide.grad_output) x *= 1e-3;
+        for (double& x : wide.grad_weight) x = x < 0 ? -1e36 : 1e36;
+        for (double& x : wide.grad_bias) x = x < 0 ? -1e36 : 1e36;
+        owned_layer<float> narrow;
+        narrow.view.description = wide.view.description;
+        narrow.input_shape = wide.input_shape;
+        narrow.output_shape = wide.output_shape;
+        for (auto [from, to] : {std::pair{&wide.input, &narrow.input}, std::pair{&wide.grad_output, &narrow.grad_output},
+                                std::pair{&wide.grad_weight, &narrow.grad_weight}, std::pair{&wide.grad_bias, &narrow.grad_bias}})
+            for (double x : *from) to->push_back(static_cast<float>(x));
+        for (auto* x : {&wide.input, &wide.grad_output, &wide.grad_weight, &wide.grad_bias})  // float's values exactly
+            for (double& v : *x) v = static_cast<double>(static_cast<float>(v));
+        wide.bind();
+        narrow.bind();
+        const bool narrow_views = world_rank() == world_size() - 1;
+        mpi_kfac<> p(o, make_comm());
+        if (narrow_views) p.register_layer("fc", narrow.view);
+        else p.register_layer("fc", wide.view);
+        std::vector<kfac::non_finite_event> events;
+        p.on_non_finite([&](const kfac::non_finite_event& e) { events.push_back(e); });
+        p.step();
+        INFO("fraction " << f << " rank " << world_rank());
+        CHECK(p.health().zeroed_gradients == 1);
+        REQUIRE(events.size() == 1);
+        CHECK(events[0].source == kfac::non_finite_source::gradient);
+        if (narrow_views)
+            for (float x : narrow.grad_weight) CHECK(x == 0.0f);
+        else
+            for (double x : wide.grad_weight) CHECK(x == 0.0);
+    }
+}
+
 TEST_CASE("under a loss scale, an overflow on one rank only skips the step on every rank", "[mpi][agreement][precision]") {
     // The scaler of each rank sees the allreduced gradients; kfac's vote must reach the
     // same verdict everywhere, or the ranks' factors and step counts would drift apart.
@@ -721,6 +764,69 @@ TEST_CASE("a rank that never joins a step is a timeout error naming the rank and
                                     Contains("timed out after " + std::string(std::getenv("KFAC_TEST_TIMEOUT_MS")) + " ms") &&
                                     !Contains("frame #"));  // LibTorch's backtrace left out
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(60));
+}
+
+TEST_CASE("two preconditioners over one process group step at once, each on its own thread",
+          "[process_group][threads]") {
+    // A process group matches collectives by the order each rank issues them: two
+    // preconditioners' collectives, interleaved differently on two ranks, met the wrong peers
+    // (Gloo aborted a rank, or a wait timed out). A policy constructed while another is alive
+    // over the group builds a world of its own: each preconditioner's numbers are then those of
+    // running it alone, bit for bit.
+    auto run = [](mpi_kfac<>& p, model& m, std::uint32_t seed, std::vector<double>& out) {
+        for (std::uint32_t step = 0; step < 6; ++step) {
+            m.next_pass(seed + 100 * static_cast<std::uint32_t>(world_rank()), step);
+            p.step();
+            for (const auto& l : m.layers) out.insert(out.end(), l.grad_weight.begin(), l.grad_weight.end());
+        }
+    };
+    kfac::options o;
+    o.damping = 0.01;
+    o.threads = 1;
+    std::vector<double> alone[2], together[2];
+    for (int i = 0; i < 2; ++i) {
+        model m;
+        mpi_kfac<> p(o, make_comm());
+        CHECK_FALSE(p.comm().has_own_world());  // alone over the group: it uses it
+        m.register_all(p);
+        run(p, m, 300 + 400 * static_cast<std::uint32_t>(i), alone[i]);
+    }
+    model m[2];
+    mpi_kfac<> first(o, make_comm()), second(o, make_comm());
+    CHECK_FALSE(first.comm().has_own_world());
+    CHECK(second.comm().has_own_world() == (world_size() > 1));
+    mpi_kfac<>* p[2] = {&first, &second};
+    std::exception_ptr failure[2];
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 2; ++i) {
+        m[i].register_all(*p[i]);
+        threads.emplace_back([&, i] {
+            try {
+                run(*p[i], m[i], 300 + 400 * static_cast<std::uint32_t>(i), together[i]);
+            } catch (...) {
+                failure[i] = std::current_exception();
+            }
+        });
+    }
+    for (auto& t : threads) t.join();
+    for (int i = 0; i < 2; ++i) {
+        INFO("preconditioner " << i);
+        if (failure[i]) std::rethrow_exception(failure[i]);
+        CHECK(together[i] == alone[i]);
+    }
+}
+
+TEST_CASE("a process group timeout beyond 24 hours is refused, naming the bound", "[process_group][errors]") {
+    // milliseconds::max() overflowed every wait's deadline: each collective failed at once,
+    // "timed out after 9223372036854775807 ms".
+    auto& w = kfac_test::detail::the_world();
+    auto make = [&](std::chrono::milliseconds t) {
+        return kfac::comm::process_group(w.pg, w.store, kfac::comm::gloo_groups(w.options), t);
+    };
+    CHECK_THROWS_WITH(make(std::chrono::milliseconds::max()),
+                      Contains("at most 24 hours (86400000 ms)") && Contains("not 9223372036854775807 ms"));
+    CHECK_THROWS_WITH(make(std::chrono::hours(24) + std::chrono::milliseconds(1)), Contains("at most 24 hours"));
+    CHECK_NOTHROW(make(std::chrono::hours(24)));
 }
 
 // A world of one only: a policy with CUDA payloads runs its control collectives (the

@@ -100,7 +100,7 @@ TEST_CASE("each phase of a step runs on its own and does what it is defined to d
 
     // write_back: the host's buffers hold ν·P, weight then bias column (one product each).
     CHECK(gradient_of(layer) == gamma);  // untouched until now
-    e.write_back(scale);
+    e.write_back(plan, scale, outcome);
     CHECK(gradient_of(layer) == mat<double>(scale * p));
 
     // commit: the step is counted, nothing unhealthy was met.

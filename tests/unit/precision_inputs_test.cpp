@@ -283,3 +283,122 @@ TEST_CASE("a bf16 device view on a host backend names the view and the fix", "[p
     p.register_layer("fc", l.view);
     CHECK_THROWS_WITH(p.step(), Catch::Contains("fc") && Catch::Contains("device memory"));
 }
+
+TEST_CASE("rounds_to_finite is narrow()'s overflow rule", "[precision]") {
+    // Against the definition: the value narrow() writes is finite.
+    for (precision f : {precision::bf16, precision::fp16}) {
+        for (double x : probe_values(f, 11)) {
+            std::uint16_t bits = 0;
+            kfac::detail::narrow(&x, 1, f, &bits);
+            INFO(kfac::precision_name(f) << " " << x);
+            CHECK(kfac::detail::rounds_to_finite(x, f) == std::isfinite(kfac::detail::element_as_double(&bits, 0, f)));
+            const auto xf = static_cast<float>(x);
+            kfac::detail::narrow(&xf, 1, f, &bits);
+            CHECK(kfac::detail::rounds_to_finite(xf, f) == std::isfinite(kfac::detail::element_as_double(&bits, 0, f)));
+        }
+    }
+    // Double into float: float's infinity from the midpoint between its largest value and 2^128.
+    const double midpoint = 0x1.ffffffp127;
+    CHECK(kfac::detail::rounds_to_finite(std::nextafter(midpoint, 0.0), precision::fp32));
+    CHECK_FALSE(kfac::detail::rounds_to_finite(midpoint, precision::fp32));
+    CHECK_FALSE(kfac::detail::rounds_to_finite(-midpoint, precision::fp32));
+    CHECK(std::isinf(static_cast<float>(midpoint)));
+    CHECK(static_cast<float>(std::nextafter(midpoint, 0.0)) == std::numeric_limits<float>::max());
+    CHECK(kfac::detail::rounds_to_finite(std::numeric_limits<float>::max(), precision::fp32));
+    CHECK_FALSE(kfac::detail::rounds_to_finite(std::numeric_limits<double>::quiet_NaN(), precision::fp64));
+    CHECK_FALSE(kfac::detail::rounds_to_finite(std::numeric_limits<float>::infinity(), precision::fp32));
+    CHECK(kfac::detail::rounds_to_finite(1e300, precision::fp64));
+}
+
+namespace {
+
+/// A Linear layer of U views whose preconditioned gradient is about 10³ (1/damping) times its
+/// gradient, whose entries are ±`gradient`, with tiny activations and output gradients.
+template <class U>
+owned_layer<U> oversized_gradient_layer(double gradient) {
+    auto l = random_linear<double>(16, 4, 3, true, 61);
+    for (double& x : l.input) x *= 1e-3;
+    for (double& x : l.grad_output) x *= 1e-3;
+    for (double& x : l.grad_weight) x = gradient * (x < 0 ? -1.0 : 1.0);
+    for (double& x : l.grad_bias) x = gradient * (x < 0 ? -1.0 : 1.0);
+    return as_layer_of<U>(l);
+}
+
+/// The layer's values exactly, as a layer of Compute (U's values are Compute's too).
+template <class Compute, class U>
+owned_layer<Compute> same_values_in(const owned_layer<U>& l) {
+    owned_layer<double> d;
+    d.view.description = l.view.description;
+    d.input_shape = l.input_shape;
+    d.output_shape = l.output_shape;
+    d.input = widened(l.input);
+    d.grad_output = widened(l.grad_output);
+    d.grad_weight = widened(l.grad_weight);
+    d.grad_bias = widened(l.grad_bias);
+    return as_layer_of<Compute>(d);
+}
+
+template <class Compute, class U>
+void check_oversized_gradient_zeroed(double gradient) {
+    kfac::options o;
+    o.kl_clip = std::nullopt;
+    o.factor_decay = 0.0;  // the factors are the step's statistics, without the identity start
+    kfac::KFAC<kfac::backend::cpu_eigen<Compute>> p(o), wide(o);
+    auto l = oversized_gradient_layer<U>(gradient);
+    auto w = same_values_in<Compute>(l);
+    p.register_layer("fc", l.view);
+    wide.register_layer("fc", w.view);
+    std::vector<kfac::non_finite_event> events;
+    p.on_non_finite([&](const kfac::non_finite_event& e) { events.push_back(e); });
+    p.step();
+    wide.step();
+    // In the compute type P is finite, and beyond U's range: written back it held ±Inf (every
+    // entry of the weight). Instead the layer is zeroed, counted and reported.
+    CHECK(wide.health().zeroed_gradients == 0);
+    const auto largest = std::abs(*std::max_element(w.grad_weight.begin(), w.grad_weight.end(),
+                                                    [](Compute x, Compute y) { return std::abs(x) < std::abs(y); }));
+    CHECK(std::isfinite(largest));
+    CHECK(static_cast<double>(largest) > kfac::largest_finite(kfac::precision_of<U>));
+    CHECK(widened(l.grad_weight) == std::vector<double>(l.grad_weight.size(), 0.0));
+    CHECK(widened(l.grad_bias) == std::vector<double>(l.grad_bias.size(), 0.0));
+    CHECK(p.health().zeroed_gradients == 1);
+    REQUIRE(events.size() == 1);
+    CHECK(events[0].layer == "fc");
+    CHECK(events[0].source == kfac::non_finite_source::gradient);
+    CHECK(events[0].step == 0);
+}
+
+}  // namespace
+
+TEST_CASE("a preconditioned gradient beyond its view's format is zeroed, counted and reported, not written as Inf",
+          "[precision][non_finite]") {
+    // 1/damping = 10³ times gradients of 200 is 2·10⁵, beyond fp16's 65504; 10³ times 10³⁶ is
+    // beyond float's 3.4·10³⁸, but not double's.
+    check_oversized_gradient_zeroed<float, Eigen::half>(200.0);
+    check_oversized_gradient_zeroed<double, float>(1e36);
+    check_oversized_gradient_zeroed<double, Eigen::half>(200.0);
+}
+
+TEST_CASE("the write-back checks ν·P, so a P beyond the format that kl_clip scales into it is written",
+          "[precision][non_finite]") {
+    kfac::options o;
+    o.kl_clip = 1e-3;
+    o.lr = 0.1;
+    o.factor_decay = 0.0;
+    kfac::KFAC<kfac::backend::cpu_eigen<float>> p(o), reference(o);
+    auto l = oversized_gradient_layer<Eigen::half>(200.0);
+    auto f = same_values_in<float>(l);
+    p.register_layer("fc", l.view);
+    reference.register_layer("fc", f.view);
+    const kfac::step_result r = p.step();
+    reference.step();
+    REQUIRE(r.kl_scale < 1e-3);  // ν brings 2·10⁵ well inside fp16
+    CHECK(p.health().zeroed_gradients == 0);
+    const auto written = widened(l.grad_weight);
+    CHECK(std::all_of(written.begin(), written.end(), [](double x) { return std::isfinite(x) && x != 0.0; }));
+    // The float result of the same values, rounded once to fp16.
+    std::vector<Eigen::half> rounded(f.grad_weight.size());
+    kfac::detail::narrow(f.grad_weight.data(), static_cast<std::int64_t>(f.grad_weight.size()), precision::fp16,
+                         rounded.data());
+    CHECK(written == widened(rounded));
+}

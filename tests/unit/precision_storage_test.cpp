@@ -134,3 +134,58 @@ TEST_CASE("factor_storage refuses a format it does not store", "[precision][stor
     p.step();
     CHECK(p.memory_usage().factors == sizeof(float) * (4 * 4 + 2 * 2));
 }
+
+TEST_CASE("fp16 storage keeps a factor whose variances it would flush in bf16, counted, reported and saved so",
+          "[precision][storage][non_finite]") {
+    // Rows (1e6, 0) and (0, 1e-6) make A = diag(5e11, 5e-13) exactly. At the scale that puts
+    // 5e11 at fp16's top, 5e-13 is 3e-20: flushed to 0. With damping 1e-20 that direction's
+    // 1/(λ_A λ_G + γ) then became 10^20 instead of about 2·10^12, and the step's gradient 10^7
+    // times too large, unannounced. bf16 holds both variances (float's range, 8 bits).
+    auto make_layer = [] {
+        auto l = random_linear<float>(8, 2, 1, false, 71);
+        for (std::size_t r = 0; r < 8; ++r) {
+            l.input[2 * r] = r % 2 == 0 ? 1e6f : 0.0f;
+            l.input[2 * r + 1] = r % 2 == 0 ? 0.0f : 1e-6f;
+        }
+        for (float& g : l.grad_output) g = g < 0 ? -1.0f : 1.0f;
+        l.bind();
+        return l;
+    };
+    kfac::options o;
+    o.damping = 1e-20;
+    o.kl_clip = std::nullopt;
+    o.factor_decay = 0.0;  // the factors are the step's statistics
+    kfac::options o16 = o;
+    o16.factor_storage = precision::fp16;
+    float_precond p(o16), reference(o), resumed(o16);
+    auto l = make_layer(), r = make_layer(), again = make_layer();
+    p.register_layer("fc", l.view);
+    reference.register_layer("fc", r.view);
+    resumed.register_layer("fc", again.view);
+    std::vector<kfac::non_finite_event> events;
+    p.on_non_finite([&](const kfac::non_finite_event& e) { events.push_back(e); });
+    p.step();
+    reference.step();
+    REQUIRE(reference.a_factor("fc")(1, 1) == 5e-13f);
+    CHECK(p.health().storage_fallbacks == 1);  // A; G (1 x 1) fits fp16
+    REQUIRE(events.size() == 1);
+    CHECK(events[0].layer == "fc");
+    CHECK(events[0].source == kfac::non_finite_source::factor_storage);
+    CHECK(events[0].step == 0);
+    CHECK(p.a_factor("fc") == stored_as(reference.a_factor("fc"), precision::bf16));
+    CHECK(p.g_factor("fc") == stored_as(reference.g_factor("fc"), precision::fp16));
+    // A is diagonal, so P_j = Γ_j / (λ_A,j λ_G + γ): off by A's bf16 rounding (2^-9) and G's
+    // fp16 rounding (2^-12) at most, 2^-8 taken as the bound.
+    CHECK(buffer_rel_err(l.grad_weight, r.grad_weight) <= 0x1p-8);
+    // A checkpoint records each factor in the format it is stored in, and loads it exactly.
+    const std::string bytes = p.save_bytes();
+    const auto archive = kfac::checkpoint::parse(bytes, "memory");
+    CHECK(archive.find("fc.A")->type == kfac::checkpoint::dtype::bf16);
+    CHECK(archive.find("fc.G")->type == kfac::checkpoint::dtype::f16);
+    CHECK(archive.metadata.at("health.storage_fallbacks") == "1");
+    resumed.load_bytes(bytes);
+    CHECK(resumed.a_factor("fc") == p.a_factor("fc"));
+    CHECK(resumed.g_factor("fc") == p.g_factor("fc"));
+    CHECK(resumed.health().storage_fallbacks == 1);
+    CHECK(resumed.save_bytes() == bytes);
+}

@@ -11,10 +11,14 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+#include <functional>
+#include <future>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <kfac/kfac.hpp>
@@ -221,3 +225,67 @@ TEST_CASE("single-threaded BLAS scopes that interleave restore the thread count 
     bd::set_blas_thread_count(original);
 }
 #endif
+
+TEST_CASE("a second call while one is in progress on another thread is refused, and the first completes",
+          "[reliability][threads]") {
+    // Two step() calls on one preconditioner from two threads freed the same buffers twice
+    // (an abort), and step() beside load() raced on the factors. The first call is held inside
+    // its end_pass() while the second is made, so the two overlap on every run.
+    const std::string saved = [] {
+        model m(false);
+        m.step(0);
+        return m.p.save_bytes();
+    }();
+    using second_call = std::pair<const char*, std::function<void(model&)>>;
+    const std::vector<second_call> calls = {
+        {"step()", [](model& m) { m.p.step(); }},
+        {"accumulate()", [](model& m) { m.p.accumulate(); }},
+        {"save_bytes()", [](model& m) { static_cast<void>(m.p.save_bytes()); }},
+        {"save()", [](model& m) {
+             std::ostringstream out;
+             m.p.save(out);
+         }},
+        {"load_bytes()", [&](model& m) { m.p.load_bytes(saved); }},
+        {"register_layer()", [](model& m) {
+             kfac_test::flaky_layer extra{2, 2, false};
+             m.p.register_layer("extra", extra);
+         }},
+        {"curvature()", [](model& m) { static_cast<void>(m.p.curvature()); }},
+    };
+    model reference(false);
+    reference.step(0);
+    for (const auto& [name, call] : calls) {
+        INFO("the second call: " << name);
+        model m(false);
+        std::promise<void> inside, go;
+        std::shared_future<void> released = go.get_future().share();
+        bool held = false;
+        m.first.observe = [&](member x) {
+            if (x != member::end_pass || held) return;
+            held = true;
+            inside.set_value();
+            released.wait();
+        };
+        m.pass(1);
+        std::exception_ptr first_failure;
+        std::thread first([&] {
+            try {
+                m.p.step();
+            } catch (...) {
+                first_failure = std::current_exception();
+            }
+        });
+        inside.get_future().wait();
+        CHECK_THROWS_WITH(call(m), Catch::Contains(std::string(name) + " was called while step() is in progress") &&
+                                       Catch::Contains("one call at a time"));
+        go.set_value();
+        first.join();
+        CHECK_FALSE(first_failure);
+        // The first call completed as if alone, and the object takes calls again.
+        CHECK(m.p.steps() == 1);
+        CHECK(same(m.p.a_factor("first"), reference.p.a_factor("first")));
+        CHECK(m.first.inner.grad_weight == reference.first.inner.grad_weight);
+        CHECK_NOTHROW(m.step(1));
+        CHECK(m.p.steps() == 2);
+    }
+}

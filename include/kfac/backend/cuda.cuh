@@ -321,6 +321,17 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
         });
     }
 
+    /// How many of `count` values (device memory) do not round to a finite value of `format`
+    /// (the write-back's check of a view narrower than Scalar). Synchronises.
+    static std::int64_t count_beyond_format(const Scalar* from, std::int64_t count, precision format) {
+        std::int64_t beyond = 0;
+        calls::launch("count_beyond_format", [&] {
+            cuda_detail::note_blocking_download();
+            beyond = kernels::count_beyond_format(calls::sync_policy(), from, count, format);
+        });
+        return beyond;
+    }
+
     /// A device matrix in another floating-point type.
     template <class To, class From>
     static cuda_detail::device_matrix<To> converted(const cuda_detail::device_matrix<From>& m) {

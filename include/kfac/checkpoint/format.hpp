@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <string>
@@ -263,19 +264,24 @@ template <class Scalar, class HostMatrix>
     return tensor::from(std::move(name), values.data(), stored_shape(rows, cols, tensor_rank));
 }
 
-/// A float or double tensor as a BF16 or F16 one, each value rounded once to nearest; F16 at
-/// the power-of-two scale of options.factor_storage (kfac/detail/factor_storage.hpp), recorded
-/// in tensor::exponent. Exact for values that came from that storage.
+/// A float or double tensor of a stored factor's values (options.factor_storage) in the 16-bit
+/// format that holds them exactly: `format` (F16 at the power-of-two scale of
+/// kfac/detail/factor_storage.hpp, recorded in tensor::exponent), else BF16 (a factor fp16
+/// storage kept in bf16), else unchanged. Values that came from factor storage are always held
+/// by one of the two, so the file records the stored factors bit for bit.
 [[nodiscard]] inline tensor to_packed_tensor(const tensor& t, precision format) {
-    const auto n = static_cast<std::size_t>(t.elements());
-    std::vector<double> values = t.values<double>();
-    tensor out{t.name, format == precision::bf16 ? dtype::bf16 : dtype::f16, t.shape, {}};
-    out.exponent = detail::storage_exponent(values.data(), n, format);
-    if (out.exponent != 0)
-        for (double& v : values) v = std::ldexp(v, -out.exponent);
-    out.bytes.resize(n * 2);
-    detail::narrow(values.data(), static_cast<std::int64_t>(n), format, out.bytes.data());
-    return out;
+    const std::vector<double> values = t.values<double>();
+    const auto n = static_cast<std::int64_t>(values.size());
+    for (const precision f : {format, precision::bf16}) {
+        const detail::packed_factor p = detail::pack_values(values, n, 1, f);
+        if (detail::packed_values(p) != values) continue;
+        tensor out{t.name, f == precision::bf16 ? dtype::bf16 : dtype::f16, t.shape, {}};
+        out.exponent = p.exponent;
+        out.bytes.resize(p.bits.size() * sizeof(std::uint16_t));
+        if (!out.bytes.empty()) std::memcpy(out.bytes.data(), p.bits.data(), out.bytes.size());
+        return out;
+    }
+    return t;
 }
 
 /// A C-order tensor into a column-major host matrix of `rows` × `cols` (float ↔ double

@@ -84,6 +84,8 @@ inline constexpr const char* fp16_exponent_prefix = "fp16_exponent.";
     // Written once there is one, so that the files of runs without them stay as they were.
     if (s.health.skipped_steps != 0) m[key::health_prefix + "skipped_steps"] = std::to_string(s.health.skipped_steps);
     if (s.health.fp64_retries != 0) m[key::health_prefix + "fp64_retries"] = std::to_string(s.health.fp64_retries);
+    if (s.health.storage_fallbacks != 0)
+        m[key::health_prefix + "storage_fallbacks"] = std::to_string(s.health.storage_fallbacks);
     for (const auto& t : a.tensors)  // options.factor_storage fp16: the scale each factor is stored at
         if (t.exponent != 0) m[std::string(fp16_exponent_prefix) + t.name] = std::to_string(t.exponent);
     m[key::checksum_scope] = checksum_scope_all;
@@ -152,6 +154,8 @@ inline constexpr const char* fp16_exponent_prefix = "fp16_exponent.";
         s.health.skipped_steps = metadata_count(a, key::health_prefix + "skipped_steps", source);
     if (a.metadata.contains(key::health_prefix + "fp64_retries"))
         s.health.fp64_retries = metadata_count(a, key::health_prefix + "fp64_retries", source);
+    if (a.metadata.contains(key::health_prefix + "storage_fallbacks"))
+        s.health.storage_fallbacks = metadata_count(a, key::health_prefix + "storage_fallbacks", source);
     for (auto& t : a.tensors) {
         const auto it = a.metadata.find(std::string(fp16_exponent_prefix) + t.name);
         if (it == a.metadata.end()) continue;

@@ -13,6 +13,17 @@
 /// torch.distributed.new_group builds its groups; kfac/comm/process_group_gloo.hpp makes Gloo
 /// ones with the world's devices and timeout.
 ///
+/// Several policies over one process group, in preconditioners that step at the same time on
+/// different threads: a process group matches collectives by the order each rank issues them,
+/// so two preconditioners' collectives interleaved differently on two ranks would meet the
+/// wrong peers (Gloo aborts on the sizes, or sums unrelated data of the same size), and neither
+/// a lock nor refusing the second caller can make every rank pick the same order. So the first
+/// policy alive over a process group in this process uses it, and each policy constructed while
+/// another is alive builds a world of its own over the store (`make_group` under
+/// "kfac/world/<n>/", n counting such worlds in the order they are built): their collectives
+/// never meet. Its constructor is then collective: every rank constructs its policies over the
+/// group in the same order, as torch.distributed.new_group requires of its callers.
+///
 /// No hang: every wait is bounded by `timeout`; a collective that does not complete in time,
 /// or fails (a peer died, a connection closed), raises a kfac::error naming this rank and the
 /// phase of the step it belonged to. The ranks still running reach the same error in the same
@@ -42,6 +53,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -59,6 +71,43 @@ namespace detail {
 /// LibTorch 2: a c10d::ProcessGroup holds one c10d::Backend per device type.
 template <class ProcessGroup>
 concept holds_backends = requires(ProcessGroup& pg) { pg.getBackend(c10::DeviceType::CPU); };
+
+/// A policy's place among the policies alive over one caller's process group in this process
+/// (see the file comment): the first uses the group; a later one is given the number of the
+/// world it builds of its own, counted per group and never reused (a prefix store's keys
+/// outlive its group). Released when the policy goes.
+class world_membership {
+public:
+    explicit world_membership(const void* world) : world_(world) {
+        const std::lock_guard<std::mutex> lock(mutex());
+        entry& e = entries()[world_];
+        if (e.alive++ > 0) own_world_ = e.built++;
+    }
+    world_membership(const world_membership&) = delete;
+    world_membership& operator=(const world_membership&) = delete;
+    ~world_membership() {
+        const std::lock_guard<std::mutex> lock(mutex());
+        --entries()[world_].alive;
+    }
+    /// The number of the world this policy builds, or nothing when it uses the caller's.
+    [[nodiscard]] std::optional<std::int64_t> own_world() const noexcept { return own_world_; }
+
+private:
+    struct entry {
+        int alive = 0;
+        std::int64_t built = 0;
+    };
+    static std::mutex& mutex() {
+        static std::mutex m;
+        return m;
+    }
+    static std::map<const void*, entry>& entries() {
+        static std::map<const void*, entry> e;
+        return e;
+    }
+    const void* world_;
+    std::optional<std::int64_t> own_world_;
+};
 }  // namespace detail
 
 /// What the policy runs collectives on: c10d::Backend in LibTorch 2 (ProcessGroupGloo and
@@ -83,7 +132,8 @@ public:
     /// @param world the caller's process group over every rank
     /// @param store the store it was built over; KAISA's groups rendezvous through it
     /// @param make_group builds those groups (kfac::comm::gloo_groups for Gloo)
-    /// @param timeout the longest any collective may take before it is an error
+    /// @param timeout the longest any collective may take before it is an error, at most
+    ///        longest_timeout
     /// @param payload_device none: payloads are host memory; a device: they are that device's
     ///        memory (kfac's CUDA backend over NCCL: c10::Device(c10::kCUDA, index))
     process_group(c10::intrusive_ptr<c10d_collectives> world, c10::intrusive_ptr<::c10d::Store> store,
@@ -97,6 +147,11 @@ public:
         if (timeout.count() <= 0)
             throw error("kfac::comm::process_group: the timeout must be positive, not " +
                         std::to_string(timeout.count()) + " ms");
+        if (timeout > longest_timeout)
+            throw error("kfac::comm::process_group: the timeout must be at most 24 hours (" +
+                        std::to_string(longest_timeout.count()) + " ms), not " + std::to_string(timeout.count()) +
+                        " ms: each wait's deadline is now + timeout, which a longer one overflows (every wait then "
+                        "fails at once), and a collective that takes a day means a rank is gone");
         state_ = std::make_unique<state>();
         state_->world = {world, world->getSize()};
         state_->rank = world->getRank();
@@ -104,7 +159,28 @@ public:
         state_->make_group = std::move(make_group);
         state_->timeout = timeout;
         if (payload_device) state_->device_payloads.emplace(*payload_device);
+        state_->membership = std::make_unique<detail::world_membership>(world.get());
+        if (const auto own = state_->membership->own_world(); own && state_->world.size > 1) {
+            auto own_store =
+                c10::make_intrusive<::c10d::PrefixStore>("kfac/world/" + std::to_string(*own) + "/", state_->store);
+            try {
+                state_->world.pg = state_->make_group(own_store, state_->rank, state_->world.size);
+                state_->own_world = true;
+            } catch (const std::exception& e) {
+                throw error("kfac::comm::process_group: rank " + std::to_string(state_->rank) +
+                            " could not build this policy's own world, which it builds because another policy is "
+                            "alive over the same process group (every rank must construct its policies over the "
+                            "group in the same order): " + message_of(e));
+            }
+        }
     }
+
+    /// The longest timeout a policy takes.
+    static constexpr std::chrono::milliseconds longest_timeout = std::chrono::hours(24);
+
+    /// Whether this policy's world collectives run on a group of its own (another policy was
+    /// alive over the same process group when it was constructed; see the file comment).
+    [[nodiscard]] bool has_own_world() const noexcept { return state_->own_world; }
 
     /// LibTorch 2: over `world`'s backend for the payloads' device type (the CPU's when none).
     template <class ProcessGroup>
@@ -281,6 +357,8 @@ private:
         std::optional<detail::device_buckets> device_payloads;  // payloads in a device's memory
         std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // broadcast_host's (device, host)
         comm_counters counters{};
+        std::unique_ptr<detail::world_membership> membership;  // among the policies over the caller's group
+        bool own_world = false;  // `world` is a group of this policy's own, not the caller's
     };
 
     /// LibTorch 2: the backend of `world` that serves the payloads' device type.

@@ -41,7 +41,10 @@
 ///                       is shared: broadcasts of the A payloads, then the G payloads (column group)
 ///   precondition_all    agree (preconditioning), per layer in order whose gradient is shared:
 ///                       a broadcast of Pᵀ (gradient group), then allreduce_max (unusable layers)
-///   kl_clip_scale, write_back, commit: none (every rank holds every Pᵀ)
+///   kl_clip_scale, commit: none (every rank holds every Pᵀ)
+///   write_back          allreduce_max (layers whose ν·Pᵀ is beyond a gradient view's format),
+///                       only when some rank has a gradient view narrower than the compute type
+///                       (which precondition_all's vote tells every rank)
 
 #include <cstdint>
 #include <exception>
@@ -171,8 +174,10 @@ public:
     };
     prefetch_guard prefetch_decompositions();
     [[nodiscard]] double kl_clip_scale(const step_plan& plan) const;
-    /// The host's gradient buffers ← ν · Pᵀ.
-    void write_back(double scale);
+    /// The host's gradient buffers ← ν · Pᵀ, each rounded once to its view's format; a layer
+    /// whose values would round to ±Inf in a narrower view is zeroed instead (agreed by the
+    /// ranks), counted and reported as a non-finite preconditioned gradient.
+    void write_back(const step_plan& plan, double scale, step_outcome& outcome);
     /// Counts the step and the health counters, then reports the non-finite events.
     void commit(const step_plan& plan, double scale, step_outcome outcome);
 
@@ -400,6 +405,9 @@ private:
     double pass_loss_scale_ = 1.0;  // options.loss_scale as read for the pass being captured
     /// ⟨P, Γ⟩ per layer from the last batched gradient checks (backend_with_gradient_checks).
     std::vector<double> gradient_dots_;
+    /// Some rank's gradient views of this step are narrower than the compute type (learned in
+    /// precondition_all's vote): write_back() then checks what it writes into them.
+    bool narrow_gradient_views_ = false;
     double second_order_damping_ = 0.0;  // of the last inverse update (checkpoints record it)
     /// update_second_order() left its broadcasts travelling (options.overlap_communication):
     /// precondition_all() waits for them before the first layer that receives.

@@ -255,7 +255,8 @@ void engine<Backend, CommPolicy, ComputeMethod>::adopt_state(staged_state<Backen
             storage_.widen(st);
             if (s.a_factor[i]) st.a_factor = std::move(*s.a_factor[i]);
             if (s.g_factor[i]) st.g_factor = std::move(*s.g_factor[i]);
-            storage_.store(st);
+            const blocks::block_layout b = layers_[i].block->layout(layers_[i].host.description);
+            storage_.store_loaded(st, b.a_structure, b.g_structure);
         }
         st.statistics_weight = s.statistics_weights[i];
         st.has_second = false;

@@ -319,7 +319,9 @@ void engine<Backend, CommPolicy, ComputeMethod>::average_layer(std::size_t i, co
         w = decay * w + (1.0 - decay);
         if (w > 1.0) w = 1.0;  // W ≤ 1 whatever the rounding (a checkpoint checks it); NaN stays unknown
     }
-    storage_.store(l.state);
+    const blocks::block_layout b = l.block->layout(l.host.description);
+    for (int k = storage_.store(l.state, b.a_structure, b.g_structure); k > 0; --k)
+        outcome.add(l, non_finite_source::factor_storage, plan.step, &health_counters::storage_fallbacks);
 }
 
 }  // namespace kfac::detail

@@ -81,7 +81,9 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
         }
     comm_.wait();
     staging_.complete();
-    std::vector<std::int64_t> unusable(layers_.size());
+    // One more entry after the layers': whether this rank's gradient views of the step include
+    // one narrower than the compute type (write_back() then checks what it writes).
+    std::vector<std::int64_t> unusable(layers_.size() + 1);
     if constexpr (batched_gradient_checks) {
         std::vector<const matrix*> gammas, preconditioned;
         std::vector<std::size_t> which;
@@ -104,8 +106,13 @@ void engine<Backend, CommPolicy, ComputeMethod>::precondition_all(const step_pla
             unusable[i] = layers_[i].scratch.active && !(Backend::all_finite(layers_[i].scratch.gamma) &&
                                                          Backend::all_finite(layers_[i].scratch.preconditioned));
     }
+    unusable.back() = std::any_of(layers_.begin(), layers_.end(), [](const layer_record& l) {
+        return l.scratch.active && (narrower_than_compute<scalar_type>(l.scratch.host_weight_gradient) ||
+                                    narrower_than_compute<scalar_type>(l.scratch.host_bias_gradient));
+    });
     comm::announce_phase(comm_, "preconditioning (the vote on unusable gradients)");
     comm_.allreduce_max(unusable);
+    narrow_gradient_views_ = unusable.back() != 0;
     for (std::size_t i = 0; i < layers_.size(); ++i) {
         auto& l = layers_[i];
         l.scratch.usable = unusable[i] == 0;
@@ -130,12 +137,40 @@ double engine<Backend, CommPolicy, ComputeMethod>::kl_clip_scale(const step_plan
     return vg_sum == 0.0 ? 1.0 : std::min(1.0, std::sqrt(*plan.kl_clip / std::abs(vg_sum)));
 }
 
+/// ν·Pᵀ goes into the host's buffers, or into the compute-type copies of views in another
+/// format, which are then rounded once into the views. Before that rounding, a layer whose
+/// values would not all round to finite values of a narrower view (an fp16 view of a float
+/// backend holds nothing above 65504) is zeroed on every rank, as a P that overflows the
+/// compute type is: the vote is an allreduce_max, made only when some rank has such a view. ν
+/// was computed with the layer in it (it is checked after ν scales P, so that a P that fits
+/// once scaled is written), so the step stays within kl_clip's bound.
 template <class Backend, class CommPolicy, class ComputeMethod>
-void engine<Backend, CommPolicy, ComputeMethod>::write_back(double scale) {
+void engine<Backend, CommPolicy, ComputeMethod>::write_back(const step_plan& plan, double scale, step_outcome& outcome) {
+    for (auto& l : layers_)
+        if (l.scratch.active) in_layer(l, [&] { l.block->store_gradient(l, static_cast<scalar_type>(scale)); });
+    if (narrow_gradient_views_) {
+        std::vector<std::int64_t> beyond(layers_.size());
+        for (std::size_t i = 0; i < layers_.size(); ++i) {
+            const auto& l = layers_[i];
+            if (l.scratch.active)
+                in_layer(l, [&] {
+                    beyond[i] = !(converted_fits(l.scratch.weight_copy, l.scratch.host_weight_gradient) &&
+                                  converted_fits(l.scratch.bias_copy, l.scratch.host_bias_gradient));
+                });
+        }
+        comm::announce_phase(comm_, "writing back (the vote on gradients beyond their views' format)");
+        comm_.allreduce_max(beyond);
+        for (std::size_t i = 0; i < layers_.size(); ++i) {
+            auto& l = layers_[i];
+            if (beyond[i] == 0) continue;
+            l.scratch.preconditioned = Backend::zeros(l.host.description.a_dim(), l.host.description.g_dim());
+            in_layer(l, [&] { l.block->store_gradient(l, scalar_type(1)); });
+            outcome.add(l, non_finite_source::gradient, plan.step, &health_counters::zeroed_gradients);
+        }
+    }
     for (auto& l : layers_)
         if (l.scratch.active)
             in_layer(l, [&] {
-                l.block->store_gradient(l, static_cast<scalar_type>(scale));
                 detail::store_converted(l.scratch.weight_copy, l.scratch.host_weight_gradient);
                 detail::store_converted(l.scratch.bias_copy, l.scratch.host_bias_gradient);
             });

@@ -94,7 +94,8 @@ auto engine<Backend, CommPolicy, ComputeMethod>::make_records(const std::string&
             r.host.description = d;
             r.block = &block_of(d);
             r.block->start(r.state, d);
-            storage_.store(r.state);
+            const blocks::block_layout b = r.block->layout(d);
+            storage_.store(r.state, b.a_structure, b.g_structure);  // the identity start: fp16 holds it
             r.block->clear_statistic(r.statistics, d);
         }
         return records;

@@ -87,6 +87,25 @@ template <class T>
     return format == precision::bf16 ? float_to_bf16_bits(f) : float_to_fp16_bits(f);
 }
 
+/// Whether x (a float or a double) rounds to a finite value of `format`, as narrow() and
+/// narrow_to_16_bits() round it: a finite value beyond the format's range rounds to ±Inf
+/// (fp16 from 65520, float from 2^128 − 2^103). NaN and ±Inf do not.
+template <class T>
+[[nodiscard]] constexpr bool rounds_to_finite(T x, precision format) noexcept {
+    if (x != x || x - x != x - x) return false;  // NaN, or ±Inf (∞ − ∞ is NaN)
+    if (format == precision::bf16 || format == precision::fp16) {
+        const std::uint16_t exponent = format == precision::bf16 ? 0x7F80u : 0x7C00u;
+        return (narrow_to_16_bits(x, format) & exponent) != exponent;
+    }
+    // A double rounds to float's infinity from the midpoint between the largest float and 2^128
+    // (a tie goes to the even one, which is infinity); a float is always a float.
+    if (format == precision::fp32) {
+        if constexpr (sizeof(T) == sizeof(float)) return true;  // finite, and a float already
+        else return (x < 0 ? -x : x) < 0x1.ffffffp127;
+    }
+    return true;
+}
+
 /// A 16-bit element's value (exact).
 [[nodiscard]] constexpr float widen_16_bits(std::uint16_t h, precision format) noexcept {
     return format == precision::bf16 ? bf16_bits_to_float(h) : fp16_bits_to_float(h);
@@ -136,6 +155,14 @@ void narrow(const T* in, std::int64_t n, precision format, void* data) noexcept 
         auto* d = static_cast<double*>(data);
         for (std::int64_t i = 0; i < n; ++i) d[i] = static_cast<double>(in[i]);
     }
+}
+
+/// How many of n values (float or double) do not round to a finite value of `format`.
+template <class T>
+[[nodiscard]] std::int64_t count_beyond_format(const T* in, std::int64_t n, precision format) noexcept {
+    std::int64_t beyond = 0;
+    for (std::int64_t i = 0; i < n; ++i) beyond += rounds_to_finite(in[i], format) ? 0 : 1;
+    return beyond;
 }
 
 /// Whether every one of n elements in `format` is finite.

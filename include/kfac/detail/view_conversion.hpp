@@ -88,6 +88,30 @@ template <class Backend>
     return out;
 }
 
+/// Whether the host's view is in a format narrower than the compute type (a finite value of the
+/// compute type may round to ±Inf there): a 16-bit format, or float on a double backend.
+template <class Scalar, class Void>
+[[nodiscard]] bool narrower_than_compute(const number_view<Void>& v) noexcept {
+    return needs_conversion<Scalar>(v) && largest_finite(v.format) < largest_finite(precision_of<Scalar>);
+}
+
+/// Whether every value of a converted copy rounds to a finite value of the host view's format
+/// (true for a view read in place, or one at least as wide as the compute type): counted by
+/// the backend for a device view (count_beyond_format, kfac/backend/cuda.cuh), on the host else.
+template <class Backend>
+[[nodiscard]] bool converted_fits(const converted_view<Backend>& copy, const number_view<void>& v) {
+    using scalar = typename Backend::scalar_type;
+    if (!narrower_than_compute<scalar>(v)) return true;
+    if (v.space == memory_space::device) {
+        if constexpr (requires { Backend::count_beyond_format(copy.device.data(), v.size(), v.format); })
+            return Backend::count_beyond_format(copy.device.data(), v.size(), v.format) == 0;
+        else
+            throw error("a device view narrower than the compute type needs a backend that counts values beyond "
+                        "its format (count_beyond_format); this backend has none");
+    }
+    return count_beyond_format(copy.host.data(), v.size(), v.format) == 0;
+}
+
 /// Writes a converted copy back into the host's view, each element rounded once to the
 /// view's format (nothing to do for a view read in place).
 template <class Backend>

@@ -179,6 +179,23 @@ void narrow_elements(Policy&& policy, const T* in, index count, precision format
     for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { out[t] = kfac::detail::narrow_to_16_bits(in[t], format); });
 }
 
+/// How many of `count` values do not round to a finite value of `format` (a preconditioned
+/// gradient checked before it is written into a narrower view; the host's rule,
+/// kfac/detail/number_conversion.hpp).
+template <class T>
+struct beyond_format_counter {
+    const T* in;
+    precision format;
+    KFAC_HOST_DEVICE index operator()(index t) const { return kfac::detail::rounds_to_finite(in[t], format) ? 0 : 1; }
+};
+
+template <class Policy, class T>
+index count_beyond_format(Policy&& policy, const T* in, index count, precision format) {
+    if (count <= 0) return 0;
+    return thrust::transform_reduce(policy, thrust::counting_iterator<index>(0), thrust::counting_iterator<index>(count),
+                                    beyond_format_counter<T>{in, format}, index{0}, thrust::plus<index>());
+}
+
 template <class Policy, class T>
 void fill(Policy&& policy, T* m, index count, T value) {
     for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) { m[t] = value; });
