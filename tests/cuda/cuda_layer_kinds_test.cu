@@ -312,6 +312,54 @@ TEST_CASE("bf16 host and device views on the GPU match bf16 views on the CPU, un
     }
 }
 
+TEST_CASE("fp16 device views whose preconditioned gradient is beyond fp16 are zeroed on the GPU as on the CPU",
+          "[cuda][precision][non_finite]") {
+    // Tiny factors and damping 10⁻³ make P about 10³ times the gradient, ±200: 2·10⁵ is beyond
+    // fp16's 65504. The GPU counts the values beyond the view's format on the device
+    // (count_beyond_format) before it narrows them; the layer is zeroed, counted and reported.
+    using gpu_backend = kfac::backend::cuda<float>;
+    kfac::options o;
+    o.kl_clip = std::nullopt;
+    o.factor_decay = 0.0;
+    auto base = kfac_test::random_linear<double>(16, 4, 3, true, 61);
+    for (double& x : base.input) x *= 1e-3;
+    for (double& x : base.grad_output) x *= 1e-3;
+    for (double& x : base.grad_weight) x = x < 0 ? -200.0 : 200.0;
+    for (double& x : base.grad_bias) x = x < 0 ? -200.0 : 200.0;
+    auto half_values = [](const std::vector<double>& v) {
+        std::vector<Eigen::half> out;
+        for (double x : v) out.push_back(static_cast<Eigen::half>(static_cast<float>(x)));
+        return out;
+    };
+    owned_layer<Eigen::half> h;
+    h.view.description = base.view.description;
+    h.input_shape = base.input_shape;
+    h.output_shape = base.output_shape;
+    h.input = half_values(base.input);
+    h.grad_output = half_values(base.grad_output);
+    h.grad_weight = half_values(base.grad_weight);
+    h.grad_bias = half_values(base.grad_bias);
+    for (bool device_views : {false, true}) {
+        INFO((device_views ? "device" : "host") << " views");
+        twin_layer<Eigen::half> t;
+        t.cpu = h;
+        t.gpu = h;
+        t.cpu.bind();
+        t.gpu.bind();
+        if (device_views) t.make_device_views();
+        kfac::KFAC<kfac::backend::cpu_eigen<float>> cpu(o);
+        kfac::KFAC<gpu_backend> gpu(o);
+        cpu.register_layer("fc", t.cpu.view);
+        gpu.register_layer("fc", t.gpu.view);
+        cpu.step();
+        gpu.step();
+        CHECK(cpu.health().zeroed_gradients == 1);
+        CHECK(gpu.health().zeroed_gradients == 1);
+        for (double x : as_doubles(t.gpu_weight_gradient())) CHECK(x == 0.0);
+        for (double x : as_doubles(t.gpu_bias_gradient())) CHECK(x == 0.0);
+    }
+}
+
 TEST_CASE("fp64 decompositions on the GPU equal the CPU's", "[cuda][precision]") {
     using gpu_backend = kfac::backend::cuda<float>;
     auto o = kinds_options();
