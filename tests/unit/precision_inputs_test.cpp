@@ -188,6 +188,20 @@ std::vector<owned_layer<T>> model_in() {
     return out;
 }
 
+/// The layer's values exactly, as a layer of Compute (U's values are Compute's too).
+template <class Compute, class U>
+owned_layer<Compute> same_values_in(const owned_layer<U>& l) {
+    owned_layer<double> d;
+    d.view.description = l.view.description;
+    d.input_shape = l.input_shape;
+    d.output_shape = l.output_shape;
+    d.input = widened(l.input);
+    d.grad_output = widened(l.grad_output);
+    d.grad_weight = widened(l.grad_weight);
+    d.grad_bias = widened(l.grad_bias);
+    return as_layer_of<Compute>(d);
+}
+
 /// U views on a Compute backend against Compute views of the same values: the factors are
 /// the same bit for bit, and every gradient is the Compute result rounded once to U.
 template <class Compute, class U>
@@ -196,17 +210,7 @@ void check_same_as_compute_views() {
     o.damping = 0.01;
     const auto inputs = model_in<U>();
     std::vector<owned_layer<Compute>> same_values;
-    for (const auto& l : inputs) {  // U's values, read as Compute reads them
-        owned_layer<double> d;
-        d.view.description = l.view.description;
-        d.input_shape = l.input_shape;
-        d.output_shape = l.output_shape;
-        d.input = widened(l.input);
-        d.grad_output = widened(l.grad_output);
-        d.grad_weight = widened(l.grad_weight);
-        d.grad_bias = widened(l.grad_bias);
-        same_values.push_back(as_layer_of<Compute>(d));
-    }
+    for (const auto& l : inputs) same_values.push_back(same_values_in<Compute>(l));  // U's values, as Compute reads them
     kfac::KFAC<kfac::backend::cpu_eigen<Compute>> pu(o), pc(o);
     const auto u = run_two_steps<Compute, U>(inputs, pu);
     const auto c = run_two_steps<Compute, U>(same_values, pc);
@@ -254,18 +258,7 @@ TEST_CASE("bf16 views on a float backend against fp64 of the same values", "[pre
     kfac::KFAC<kfac::backend::cpu_eigen<double>> pd(o);
     const auto inputs = model_in<Eigen::bfloat16>();
     std::vector<owned_layer<double>> exact;
-    for (const auto& l : inputs) {
-        owned_layer<double> d;
-        d.view.description = l.view.description;
-        d.input_shape = l.input_shape;
-        d.output_shape = l.output_shape;
-        d.input = widened(l.input);
-        d.grad_output = widened(l.grad_output);
-        d.grad_weight = widened(l.grad_weight);
-        d.grad_bias = widened(l.grad_bias);
-        d.bind();
-        exact.push_back(d);
-    }
+    for (const auto& l : inputs) exact.push_back(same_values_in<double>(l));
     const auto b = run_two_steps<float, Eigen::bfloat16>(inputs, pb);
     const auto d = run_two_steps<double, Eigen::bfloat16>(exact, pd);
     const double tolerance = kfac::unit_roundoff(precision::bf16) + 64 * 1e3 * kfac::unit_roundoff(precision::fp32);
@@ -322,20 +315,6 @@ owned_layer<U> oversized_gradient_layer(double gradient) {
     for (double& x : l.grad_weight) x = gradient * (x < 0 ? -1.0 : 1.0);
     for (double& x : l.grad_bias) x = gradient * (x < 0 ? -1.0 : 1.0);
     return as_layer_of<U>(l);
-}
-
-/// The layer's values exactly, as a layer of Compute (U's values are Compute's too).
-template <class Compute, class U>
-owned_layer<Compute> same_values_in(const owned_layer<U>& l) {
-    owned_layer<double> d;
-    d.view.description = l.view.description;
-    d.input_shape = l.input_shape;
-    d.output_shape = l.output_shape;
-    d.input = widened(l.input);
-    d.grad_output = widened(l.grad_output);
-    d.grad_weight = widened(l.grad_weight);
-    d.grad_bias = widened(l.grad_bias);
-    return as_layer_of<Compute>(d);
 }
 
 template <class Compute, class U>
