@@ -153,14 +153,22 @@ void kfac_steps(const kfac_bench::model& m, const std::string& name, std::int64_
         const auto before = kfac::backend::cuda<T>::transfers();
         p.step();  // one more of the same kind, counted
         const auto cost = kfac::backend::cuda<T>::transfers() - before;
+        // The counted step's phases as the host saw them (preconditioner::last_step_times()).
+        std::string phases;
+        for (std::size_t i = 0; i < kfac::step_phase_count; ++i) {
+            char entry[64];
+            std::snprintf(entry, sizeof entry, "%s\"%s\": %.3f", i ? ", " : "",
+                          kfac::step_phase_name(static_cast<kfac::step_phase>(i)), p.last_step_times().seconds[i] * 1e3);
+            phases += entry;
+        }
         std::printf("{\"bench\": \"kfac_step\", \"model\": \"%s\", \"dtype\": \"%s\", \"method\": \"%s\", \"batch\": %lld, "
                     "\"layers\": %zu, \"batched\": %s, \"step\": \"%s\", \"ms\": %.3f, \"synchronizations\": %lld, "
-                    "\"device_to_host\": %lld, \"host_to_device\": %lld}\n",
+                    "\"device_to_host\": %lld, \"host_to_device\": %lld, \"phases_ms\": {%s}}\n",
                     name.c_str(), sizeof(T) == 4 ? "float32" : "float64",
                     std::is_same_v<Method, kfac::compute::eigendecomposition> ? "eigen" : "inverse",
                     static_cast<long long>(batch), views.size(), batched ? "true" : "false", update ? "update" : "non_update", ms,
                     static_cast<long long>(cost.synchronizations), static_cast<long long>(cost.device_to_host),
-                    static_cast<long long>(cost.host_to_device));
+                    static_cast<long long>(cost.host_to_device), phases.c_str());
         std::fflush(stdout);
     }
 }

@@ -15,6 +15,8 @@
 /// kfac_step/<workload>/eigen_reuse/update: the eigen update step with
 ///   options.eigenbasis_reuse_tolerance = reuse_tolerance (below); counters `reused` and
 ///   `decomposed` say how many of the timed steps' dense factors kept their eigenvectors.
+/// Each step benchmark also reports the median of each phase of the step it ran (counters
+/// <phase>_ms, from preconditioner::last_step_times()).
 /// kfac_phase/<workload>/<phase>: the backend calls of one phase over all layers, to see where
 ///   a step's time goes: a_stats, g_stats (batch statistics; a_stats_im2col: the conv A
 ///   statistics by im2col + SYRK, the route stride-1 convolutions no longer take, for the
@@ -281,6 +283,7 @@ void bm_step(benchmark::State& state, const workload_spec* w, bool update, doubl
         precond.step();
     }
     std::vector<double> times;
+    std::vector<std::vector<double>> phase_times(kfac::step_phase_count);  // the step's own laps
     const auto bases_before = precond.eigenbasis_counts();
     for (auto _ : state) {
         prepare_step(live, *w, data, precond.steps());
@@ -290,8 +293,14 @@ void bm_step(benchmark::State& state, const workload_spec* w, bool update, doubl
         const double seconds = std::chrono::duration<double>(stop - start).count();
         state.SetIterationTime(seconds);
         times.push_back(seconds);
+        for (std::size_t p = 0; p < kfac::step_phase_count; ++p)
+            phase_times[p].push_back(precond.last_step_times().seconds[p]);
         benchmark::DoNotOptimize(live.front().grad_weight.data());
     }
+    // Where the median step's time goes (preconditioner::last_step_times()), phases it ran.
+    for (std::size_t p = 0; p < kfac::step_phase_count; ++p)
+        if (const double ms = median(phase_times[p]) * 1e3; ms > 0.0)
+            state.counters[std::string(kfac::step_phase_name(static_cast<kfac::step_phase>(p))) + "_ms"] = ms;
     const auto& h = precond.health();
     if (h.skipped_factor_updates || h.kept_decompositions || h.zeroed_gradients)
         state.SkipWithError("the preconditioner met non-finite values (see health())");

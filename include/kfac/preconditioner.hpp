@@ -31,6 +31,7 @@
 #include "kfac/config.hpp"
 #include "kfac/curvature_report.hpp"
 #include "kfac/detail/call_guard.hpp"
+#include "kfac/detail/phase_timer.hpp"
 #include "kfac/detail/engine.hpp"
 #include "kfac/detail/engine_registration.hpp"  // layers in
 #include "kfac/detail/engine_setup.hpp"         // options, configuration, placement, reports
@@ -45,6 +46,7 @@
 #include "kfac/health.hpp"
 #include "kfac/layer_info.hpp"
 #include "kfac/options.hpp"
+#include "kfac/step_times.hpp"
 
 namespace kfac {
 
@@ -132,21 +134,31 @@ public:
     /// (`overflow` below) and changes nothing: see step_result::skipped.
     step_result step() {
         const auto call = calls_.enter("step()");
+        detail::phase_timer timer(last_step_times_);  // a lap as each phase ends (last_step_times())
         engine_.setup();
         const detail::step_plan plan = engine_.read_plan();
         if (engine_.overflowed(plan)) {  // overflow: the loss scale was too large for this step
             engine_.skip();
+            timer.lap(step_phase::plan);
             return {plan.step, false, false, true, 1.0};
         }
+        timer.lap(step_phase::plan);
         const typename engine_type::blas_threads_guard blas_threads(engine_.serial_blas());
         typename engine_type::step_outcome outcome;
         engine_.finish_pass(plan.factor_update, plan.loss_scale, /*last_pass=*/true);
+        timer.lap(step_phase::capture);
         if (plan.factor_update) engine_.update_factors(plan, outcome);
+        timer.lap(step_phase::factors, plan.factor_update);
         if (plan.inverse_update) engine_.update_second_order(plan, outcome);
+        timer.lap(step_phase::second_order, plan.inverse_update);
         engine_.precondition_all(plan, outcome);
+        timer.lap(step_phase::precondition);
         const double scale = engine_.kl_clip_scale(plan);
+        timer.lap(step_phase::kl_clip);
         engine_.write_back(plan, scale, outcome);
+        timer.lap(step_phase::write_back);
         engine_.commit(plan, scale, std::move(outcome));
+        timer.lap(step_phase::commit);
         return {plan.step, plan.factor_update, plan.inverse_update, false, scale};
     }
 
@@ -208,6 +220,10 @@ public:
     [[nodiscard]] const matrix& g_factor(const std::string& name) const { return engine_.factor(name, false); }
     /// ν of the last step (1 when kl_clip is off or did not bind).
     [[nodiscard]] double last_kl_scale() const noexcept { return engine_.last_kl_scale(); }
+    /// Seconds the last step() spent in each of its phases, as the host saw them
+    /// (kfac/step_times.hpp); all 0 before the first step. A step that failed leaves what it
+    /// measured up to the failure.
+    [[nodiscard]] const step_times& last_step_times() const noexcept { return last_step_times_; }
     [[nodiscard]] const health_counters& health() const noexcept { return engine_.health(); }
     /// Dense factors this rank has computed second-order data for since construction (not
     /// saved in checkpoints): with options.eigenbasis_reuse_tolerance, how many kept their
@@ -245,6 +261,7 @@ private:
     /// The call in progress (kfac/detail/call_guard.hpp): a second one, from another thread, is
     /// refused. mutable: curvature() is const but decomposes the factors a step changes.
     mutable detail::exclusive_calls calls_;
+    step_times last_step_times_{};
 };
 
 }  // namespace kfac

@@ -7,11 +7,15 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include <kfac/kfac.hpp>
 
+#include "unit/flaky_layer.hpp"
 #include "unit/test_util.hpp"
 
 namespace {
@@ -109,4 +113,35 @@ TEST_CASE("each phase of a step runs on its own and does what it is defined to d
     CHECK(e.steps() == 1);
     CHECK(e.health().skipped_factor_updates == 0);
     CHECK(e.health().zeroed_gradients == 0);
+}
+
+TEST_CASE("the last step's time per phase: where it went, 0 for the phases it skipped", "[phases][timing]") {
+    // The host's weight_gradient() sleeps 20 ms: the plan phase (which reads the views) holds
+    // those 20 ms, and the phases add up to the step's wall time.
+    kfac::options o;
+    o.factor_update_steps = std::int64_t{2};
+    o.inv_update_steps = std::int64_t{2};
+    kfac::KFAC<kfac::backend::cpu_eigen<double>> p(o);
+    kfac_test::flaky_layer l(5, 3, true);
+    l.observe = [](kfac_test::member m) {
+        if (m == kfac_test::member::weight_gradient) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    };
+    p.register_layer("fc", l);
+    CHECK(p.last_step_times().total() == 0.0);  // before the first step
+    for (std::uint32_t k = 0; k < 2; ++k) {
+        INFO("step " << k);
+        l.pass(10 * k + 1);
+        const auto start = std::chrono::steady_clock::now();
+        p.step();
+        const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const kfac::step_times& t = p.last_step_times();
+        CHECK(t[kfac::step_phase::plan] >= 0.02);
+        CHECK(t.total() <= wall);
+        CHECK(t.total() >= t[kfac::step_phase::plan]);
+        CHECK(t[kfac::step_phase::precondition] > 0.0);
+        const bool update = k == 0;  // both intervals 2: step 0 updates, step 1 does not
+        CHECK((t[kfac::step_phase::factors] > 0.0) == update);
+        CHECK((t[kfac::step_phase::second_order] > 0.0) == update);
+    }
+    CHECK(std::string(kfac::step_phase_name(kfac::step_phase::second_order)) == "second_order");
 }
