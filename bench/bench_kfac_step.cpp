@@ -6,6 +6,10 @@
 ///     ResNet-32, batch 128 (factor dims 10 ... 576; the A statistics dominate);
 ///   * W2 "mlp": Linear(1024, 2048) → Linear(2048, 2048) → Linear(2048, 1000), all with bias,
 ///     batch 256 (factor dims 1000 ... 2049; decompositions and preconditioning dominate);
+///   * "mobilenet_v1": the 28 convolutions and the classifier of bench/models/mobilenet_v1.txt,
+///     4,975 blocks of which 4,960 are depthwise channels (9 × 9 A, 1 × 1 G), at batch 2: the
+///     non-update step's work does not depend on the batch, and its cost is issuing thousands of
+///     tiny blocks (step benchmarks only);
 ///   * "tiny": one small conv and one linear layer, for the smoke test.
 ///
 /// kfac_step/<workload>/<method>/update: factor statistics + running average + decompositions
@@ -50,6 +54,8 @@
 
 #include <kfac/kfac.hpp>
 
+#include "model_file.hpp"
+
 namespace {
 
 using index = std::int64_t;
@@ -83,6 +89,7 @@ struct workload_spec {
     index update_iterations = 3;
     index non_update_iterations = 10;
     index phase_iterations = 3;
+    bool phase_benchmarks = true;  ///< kfac_phase/<workload>/* (one backend call per layer)
 };
 
 layer_spec conv3x3(const std::string& name, index batch, index c_in, index c_out, index size_in,
@@ -150,8 +157,32 @@ workload_spec tiny() {
     return w;
 }
 
+/// A model file's convolutions and linear layers (bench/models/*.txt) at `batch`.
+workload_spec from_model_file(const std::string& name, const std::string& file, index batch) {
+    const kfac_bench::model m = kfac_bench::read_model(std::string(KFAC_BENCH_MODELS_DIR) + "/" + file);
+    workload_spec w;
+    w.name = name;
+    for (const auto& l : m.layers) {
+        const auto& d = l.description;
+        if (d.kind == kfac::layer_kind::conv2d) {
+            const index ho = kfac::conv_output_extent(l.height, d.conv.kernel[0], d.conv.stride[0], d.conv.padding[0], 1);
+            const index wo = kfac::conv_output_extent(l.width, d.conv.kernel[1], d.conv.stride[1], d.conv.padding[1], 1);
+            w.layers.push_back({l.name, d, {batch, d.in, l.height, l.width}, {batch, d.out, ho, wo}});
+        } else if (d.kind == kfac::layer_kind::linear) {
+            w.layers.push_back({l.name, d, {batch * l.rows_per_sample, d.in}, {batch * l.rows_per_sample, d.out}});
+        }
+    }
+    w.batches = 1;
+    w.warmup_steps = 1;
+    w.update_iterations = 1;
+    w.non_update_iterations = 5;
+    w.phase_benchmarks = false;
+    return w;
+}
+
 const std::vector<workload_spec>& workloads() {
-    static const std::vector<workload_spec> all{tiny(), resnet32(), mlp()};
+    static const std::vector<workload_spec> all{tiny(), resnet32(), mlp(),
+                                                from_model_file("mobilenet_v1", "mobilenet_v1.txt", 2)};
     return all;
 }
 
@@ -478,6 +509,7 @@ void register_all() {
             ->UseManualTime()
             ->Iterations(w.update_iterations)
             ->Unit(benchmark::kMillisecond);
+        if (!w.phase_benchmarks) continue;
         const std::pair<const char*, phase> phases[] = {{"a_stats", phase::a_stats},
                                                         {"a_stats_im2col", phase::a_stats_im2col},
                                                         {"g_stats", phase::g_stats},
