@@ -13,8 +13,8 @@
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>

@@ -138,9 +138,10 @@ template <class HostMatrix>
 template <class HostMatrix>
 [[nodiscard]] HostMatrix unpack_factor(const packed_factor& p) {
     using scalar = typename HostMatrix::Scalar;
-    HostMatrix F(p.rows, p.cols);
-    const std::vector<double> values = packed_values(p);
-    for (std::size_t i = 0; i < values.size(); ++i) F.data()[i] = static_cast<scalar>(values[i]);
+    HostMatrix F(p.rows, p.cols);  // widened in place: no temporary the size of the factor
+    widen(p.bits.data(), static_cast<std::int64_t>(p.bits.size()), p.format, F.data());
+    if (p.exponent != 0)
+        for (std::int64_t i = 0; i < F.size(); ++i) F.data()[i] = static_cast<scalar>(std::ldexp(F.data()[i], p.exponent));
     return F;
 }
 
