@@ -44,12 +44,14 @@ class KfacConan(ConanFile):
         "with_cuda": [True, False],    # kfac::cuda (backend::cuda); the CUDA toolkit from the system
         "with_lapack": [True, False],  # CBLAS/LAPACKE fast paths: scipy-openblas32, else Debian's OpenBLAS
         "system_deps": [True, False],  # True: no Conan requirements, Eigen from the system
+        "engines": [True, False],      # kfac::engines (+ engines_mpi): the common engines compiled once
     }
     default_options = {
         "with_mpi": False,
         "with_cuda": False,
         "with_lapack": True,
         "system_deps": True,
+        "engines": False,
     }
     # The CMake project installs the package; tests, benchmarks and examples are not needed.
     exports_sources = "CMakeLists.txt", "include/*", "cmake/*"
@@ -72,6 +74,11 @@ class KfacConan(ConanFile):
         if not self.options.system_deps:
             self.requires("eigen/3.4.0", transitive_headers=True)
 
+    def configure(self):
+        # With the compiled engines the package holds object code for one compiler and build type.
+        if self.options.engines:
+            self.package_type = "static-library"
+
     def validate(self):
         if self.settings.get_safe("compiler.cppstd"):
             check_min_cppstd(self, 20)
@@ -79,7 +86,8 @@ class KfacConan(ConanFile):
     def package_id(self):
         # Header-only: the files do not depend on the compiler or the build type, but the
         # options decide which components kfacConfig.cmake provides and what it looks for.
-        self.info.settings.clear()
+        if not self.info.options.engines:
+            self.info.settings.clear()
         self.info.requires.clear()
 
     def generate(self):
@@ -88,6 +96,7 @@ class KfacConan(ConanFile):
         tc.cache_variables["KFAC_BUILD_BENCHMARKS"] = False
         tc.cache_variables["KFAC_BUILD_EXAMPLES"] = False
         tc.cache_variables["KFAC_INSTALL"] = True
+        tc.cache_variables["KFAC_BUILD_ENGINES"] = bool(self.options.engines)
         tc.cache_variables["KFAC_ENABLE_MPI"] = bool(self.options.with_mpi)
         tc.cache_variables["KFAC_ENABLE_CUDA"] = bool(self.options.with_cuda)
         tc.cache_variables["KFAC_ENABLE_LAPACK"] = bool(self.options.with_lapack)
@@ -96,8 +105,12 @@ class KfacConan(ConanFile):
             CMakeDeps(self).generate()
 
     def build(self):
-        # Configuring is the whole build: it finds the dependencies and writes the package files.
-        CMake(self).configure()
+        # Without the engines, configuring is the whole build: it finds the dependencies and
+        # writes the package files; with them, the two libraries are compiled too.
+        cmake = CMake(self)
+        cmake.configure()
+        if self.options.engines:
+            cmake.build()
 
     def package(self):
         CMake(self).install()

@@ -24,7 +24,7 @@
 /// work on each rank, an agreement and a broadcast of one number) through comm::mpi, which
 /// waits by testing and yielding the processor, and through MPICH's blocking MPI_Allreduce and
 /// MPI_Bcast, which poll without yielding: at more ranks than cores the ratio shows what the
-/// yield is worth (README, "Build time").
+/// yield is worth (docs/development.md, "Compile time").
 
 #include <mpi.h>
 

@@ -66,7 +66,7 @@ using matrix = backend::matrix;
 /// hardest case for reuse: each step's statistic is a fresh sample whose off-diagonal part in
 /// any fixed basis is large (W2's factors move by ≈ 0.1 relative off-diagonal mass per step),
 /// so a tolerance of 0.2 is needed here for the basis to be kept at all; the flagship's
-/// trained network (README, "Approximate eigenbasis refresh") is the measure of its effect.
+/// trained network (docs/performance.md, "Approximate eigenbasis refresh") is the measure of its effect.
 constexpr double reuse_tolerance = 0.2;
 
 struct layer_spec {

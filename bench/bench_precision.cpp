@@ -14,7 +14,7 @@
 /// Counters: factor_MiB (memory_usage().factors) and err_vs_fp64, the relative error
 /// max|P − P₆₄| / max|P₆₄| of the preconditioned weight gradients of one step against a double
 /// backend fed the same (rounded) values. Ratios against precision/fp32 are the figures to
-/// read (README, "Precision"). Run with OPENBLAS_NUM_THREADS=1.
+/// read (docs/precision.md). Run with OPENBLAS_NUM_THREADS=1.
 
 #include <benchmark/benchmark.h>
 

@@ -13,7 +13,7 @@
 ///
 /// The flagship's schedule (factors every 10 steps, decompositions every 100) costs on average
 /// non_update + (factor_update − non_update)/10 + (inverse_update − factor_update)/100 per step;
-/// the README gives that as a ratio to torch_step/sgd, measured in one run. Threads: LibTorch's
+/// docs/layers.md gives that as a ratio to torch_step/sgd, measured in one run. Threads: LibTorch's
 /// and kfac's both take --threads-like control from KFAC_BENCH_THREADS (default 1); the system
 /// BLAS that LibTorch's Linear layers use is kept to one thread, as the flagship does.
 

@@ -117,7 +117,7 @@ run() {
             step flagship_cuda_cnn "$flagship" --device cuda --model cnn --data "$data" --csv "$out/flagship_cnn.csv" --no-plot
             step flagship_cuda_resnet "$flagship" --device cuda --model resnet --data "$data" --csv "$out/flagship_resnet.csv" \
                 --no-plot
-            # Mixed precision on the GPU (README, "Precision"): CUDA autocast in bf16, and in fp16
+            # Mixed precision on the GPU (docs/precision.md): CUDA autocast in bf16, and in fp16
             # with the dynamic loss scaler and K-FAC's overflow skips.
             for p in bf16 fp16; do
                 step "flagship_cuda_cnn_$p" "$flagship" --device cuda --model cnn --precision "$p" --data "$data" \

@@ -1,5 +1,5 @@
 # The preconditioner engines this project's own programs (tests, benchmarks, examples) use,
-# compiled once (README, "Build time"). The library stays header-only: a user's program
+# compiled once (docs/development.md, "Compile time"). The library stays header-only: a user's program
 # instantiates what it uses, as before. Here, each engine (backend x scalar x communicator x
 # compute method; the assignment strategy is a value, kfac/detail/engine.hpp) is instantiated
 # once in a generated translation unit of a static library (one translation unit holding all
@@ -45,7 +45,7 @@ else()
   set(kfac_engines_default_optimization "")
 endif()
 set(KFAC_ENGINES_OPTIMIZATION "${kfac_engines_default_optimization}" CACHE STRING
-    "Optimisation flag of the engine libraries (empty: the build type's; README, \"Build time\")")
+    "Optimisation flag of the engine libraries (empty: the build type's; docs/development.md, \"Compile time\")")
 
 # kfac_add_engines(<target> <backend: cpu_eigen|cuda> <comm: serial|mpi|process_group>
 #                  <quoted header to include>...)
@@ -113,6 +113,16 @@ function(kfac_add_engines target backend comm)
         string(APPEND declarations "extern template class ${type};\n")
         string(APPEND definitions "template class ${type};\n")
       endforeach()
+      # The registration of the library's own views (member templates, which an explicit
+      # instantiation of the class leaves out): the layer checks and the layer records.
+      set(engine "kfac::detail::engine<${backend_type}, kfac::comm::${comm}, kfac::compute::${method}>")
+      set(view "kfac::layer_view<${scalar}>")
+      foreach(member
+              "bool ${engine}::register_layer<${view}>(const std::string&, ${view}&)"
+              "std::size_t ${engine}::register_layers<${view}>(const std::vector<std::pair<std::string, ${view}*>>&)")
+        string(APPEND declarations "extern template ${member};\n")
+        string(APPEND definitions "template ${member};\n")
+      endforeach()
     endforeach()
   endforeach()
   get_filename_component(header_name ${header} NAME)
@@ -151,18 +161,28 @@ extern const int ${TARGET}_ABI;
     target_compile_definitions(${target} PUBLIC $<$<COMPILE_LANGUAGE:CUDA>:EIGEN_NO_CUDA>)
   else()
     target_link_libraries(${target} PUBLIC kfac::kfac)
+    # The declarations' header from the build tree, or, for an installed kfac::engines, from
+    # the install prefix (kfacInstall.cmake installs it there).
+    set(used_header "$<BUILD_INTERFACE:${header}>$<INSTALL_INTERFACE:$<INSTALL_PREFIX>/${CMAKE_INSTALL_INCLUDEDIR}/kfac/engines/${header_name}>")
     target_compile_options(${target} PRIVATE ${KFAC_ENGINES_OPTIMIZATION} -Wall -Wextra -Werror
-                           INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-include${header}>
-                                     $<$<COMPILE_LANGUAGE:CUDA>:--pre-include=${header}>)
+                           INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-include${used_header}>
+                                     $<$<COMPILE_LANGUAGE:CUDA>:--pre-include=${used_header}>)
   endif()
+  set_target_properties(${target} PROPERTIES KFAC_ENGINES_HEADER ${header})
 endfunction()
 
+include(GNUInstallDirs)  # CMAKE_INSTALL_INCLUDEDIR, where an installed library finds its header
 kfac_add_engines(kfac_engines cpu_eigen serial "\"kfac/kfac.hpp\"")
+add_library(kfac::engines ALIAS kfac_engines)
+set_target_properties(kfac_engines PROPERTIES EXPORT_NAME engines)
 if(KFAC_HAS_MPI)
   kfac_add_engines(kfac_engines_mpi cpu_eigen mpi "\"kfac/kfac.hpp\"" "\"kfac/comm/mpi.hpp\"")
   target_link_libraries(kfac_engines_mpi PUBLIC kfac::mpi kfac_engines)
+  add_library(kfac::engines_mpi ALIAS kfac_engines_mpi)
+  set_target_properties(kfac_engines_mpi PROPERTIES EXPORT_NAME engines_mpi)
 endif()
-if(KFAC_HAS_C10D)
+# The process-group engines serve this project's own programs only (not installed).
+if(KFAC_HAS_C10D AND (KFAC_BUILD_TESTS OR KFAC_BUILD_BENCHMARKS OR KFAC_BUILD_EXAMPLES))
   kfac_add_engines(kfac_engines_process_group cpu_eigen process_group "\"kfac/kfac.hpp\""
                    "\"kfac/comm/process_group_gloo.hpp\"")
   target_link_libraries(kfac_engines_process_group PUBLIC kfac::c10d kfac_engines)
@@ -183,7 +203,7 @@ endfunction()
 # kfac_glue_program(<target>): a program whose numerical work runs in code compiled elsewhere
 # (LibTorch's library, the engines above) is compiled at -O1: what is left in it is glue (models
 # defined through LibTorch's API, the adapter's hooks, the training loop), where -O3 buys no speed
-# but costs build time. Measured (README, "Build time"): kfac_fashion_mnist.cpp 62 s at -O3 and
+# but costs build time. Measured (docs/development.md, "Compile time"): kfac_fashion_mnist.cpp 62 s at -O3 and
 # 51 s at -O1, its CNN test 17.0 s either way, with the same output to the last digit. Its .cu
 # sources too (nvcc's -O is its host compiler's level; the test programs' -Og is C++ only).
 function(kfac_glue_program target)

@@ -12,9 +12,13 @@
 #   <prefix>/share/cmake/kfac/kfac-mpi-targets.cmake    kfac::mpi   (when KFAC_HAS_MPI)
 #   <prefix>/share/cmake/kfac/kfac-cuda-targets.cmake   kfac::cuda  (when KFAC_HAS_CUDA)
 #   <prefix>/share/cmake/kfac/kfac-c10d-targets.cmake   kfac::c10d  (when KFAC_HAS_C10D)
+#   <prefix>/share/cmake/kfac/kfac-engines-targets.cmake kfac::engines (KFAC_BUILD_ENGINES),
+#   <prefix>/share/cmake/kfac/kfac-engines_mpi-targets.cmake kfac::engines_mpi (and MPI), with
+#   <prefix>/lib/libkfac_engines*.a and <prefix>/include/kfac/engines/kfac_engines*.hpp
 #
-# The package is header-only, so it goes under DATADIR (share/) and its version file is
-# ARCH_INDEPENDENT. What the build found (the BLAS, MPI, CUDA) is recorded in kfacConfig.cmake,
+# The headers need no compiled part, so the package goes under DATADIR (share/) and its version
+# file is ARCH_INDEPENDENT; the optional engines libraries are for the compiler and platform
+# they were built with (kfacConfig.cmake checks the compiler when they are asked for). What the build found (the BLAS, MPI, CUDA) is recorded in kfacConfig.cmake,
 # which finds the same dependencies again on the consumer's machine.
 
 option(KFAC_INSTALL "Generate kfac's install rules and CMake package files" ${PROJECT_IS_TOP_LEVEL})
@@ -61,6 +65,25 @@ foreach(_kfac_component IN ITEMS mpi c10d cuda)
     list(APPEND _kfac_available_components ${_kfac_component})
   endif()
 endforeach()
+
+# kfac::engines (and kfac::engines_mpi): static libraries of the common engines, each with the
+# header of its `extern template` declarations, which a program linking it includes first.
+if(KFAC_BUILD_ENGINES)
+  foreach(_kfac_engines IN ITEMS engines engines_mpi)
+    if(TARGET kfac_${_kfac_engines})
+      get_target_property(_kfac_header kfac_${_kfac_engines} KFAC_ENGINES_HEADER)
+      install(TARGETS kfac_${_kfac_engines} EXPORT kfac-${_kfac_engines}-targets
+              ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT kfac_development)
+      install(FILES ${_kfac_header} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kfac/engines
+              COMPONENT kfac_development)
+      install(EXPORT kfac-${_kfac_engines}-targets NAMESPACE kfac:: DESTINATION ${KFAC_INSTALL_CMAKEDIR}
+              COMPONENT kfac_development)
+      list(APPEND _kfac_available_components ${_kfac_engines})
+    endif()
+  endforeach()
+  unset(_kfac_header)
+  unset(_kfac_engines)
+endif()
 
 # The BLAS finder goes beside kfacConfig.cmake, which runs it again with the choice this build
 # made (KFAC_BLAS_USED), so the consumer's own scipy-openblas32 or OpenBLAS is linked.

@@ -211,7 +211,7 @@ struct optimizer_settings {
     double damping = 0.0, kl_clip = 0.0, factor_decay = 0.95;
     int factor_update_steps = 10, inv_update_steps = 100;
     double eigenbasis_reuse = 0.0;  // options.eigenbasis_reuse_tolerance (0: exact)
-    // The curvature modes (README.md, "Curvature modes"); "reference" is kfac-pytorch's.
+    // The curvature modes (docs/curvature-modes.md); "reference" is kfac-pytorch's.
     std::string statistics = "reference", averaging = "reference", damping_mode = "reference";
     bool relative_damping = false;
     bool kl_clip_cosine = false;  // kl_clip scaled by the square of the learning rate's cosine factor
@@ -244,7 +244,7 @@ struct settings {
 /// seeds 1 and 2 at 5 epochs; ResNet-8: seed 1 at 4 epochs). K-FAC runs with the curvature
 /// modes (per-example statistics, bias-corrected averaging) and a KL clip annealed with the
 /// learning rate. `reference`: K-FAC as kfac-pytorch computes it (and SGD) with the winners of
-/// the earlier grids by final accuracy, which the README's first table measured.
+/// the earlier grids by final accuracy (examples/fashion_mnist/README.md).
 void model_defaults(settings& s, bool reference) {
     if (s.epochs == 0) s.epochs = s.model == "cnn" ? 5 : 4;
     if (reference) {
@@ -296,7 +296,7 @@ void usage(bool distributed) {
         "  --factor-update-steps N, --inv-update-steps N      (default 10, 100)\n"
         "  --eigenbasis-reuse TAU keep a factor's eigenvectors while they diagonalise it to within TAU\n"
         "  --reference            the defaults of kfac-pytorch's K-FAC (no curvature modes, kl_clip 0.001)\n"
-        "                         and SGD tuned for final accuracy (README.md's first table)\n"
+        "                         and SGD tuned for final accuracy (the example's README)\n"
         "  --statistics reference|per_example, --averaging reference|bias_corrected,\n"
         "  --damping-mode reference|factored, --relative-damping   the curvature modes\n"
         "  --curvature-csv PATH   K-FAC's per-epoch curvature report (default: the CSV's path + _curvature)\n"
@@ -501,7 +501,7 @@ public:
         opts.threads = settings_.threads;
         if (scaler_) opts.loss_scale = scaler_->loss_scale();  // --precision fp16
         // The BatchNorm layers stay the optimizer's, as kfac-pytorch leaves them: the figures
-        // in README.md are this preconditioner's against the reference's (remove the pattern
+        // in docs/examples.md are this preconditioner's against the reference's (remove the pattern
         // to give them their unit-wise K-FAC blocks too).
         opts.skip_layers = {"BatchNorm"};
         // kl_clip's η is the optimizer's learning rate, which follows the schedule.
@@ -740,7 +740,7 @@ private:
 };
 
 /// One line per epoch of how much of each layer's preconditioner is curvature
-/// (kfac::preconditioner::curvature(), README.md "Curvature modes"), and the CSV rows of it.
+/// (kfac::preconditioner::curvature(), docs/curvature-modes.md), and the CSV rows of it.
 void print_curvature(int epoch, const std::string& optimizer, const std::vector<kfac::layer_curvature>& report,
                      std::vector<std::string>& rows) {
     std::printf("          curvature share:");
@@ -796,7 +796,7 @@ int main_body(int argc, char** argv, transport how) {
                   "configure time (kfac::cuda) and one process (kfac_fashion_mnist)";
         else if (!torch::cuda::is_available())
             why = "sees no CUDA device through LibTorch (Debian's LibTorch is CPU-only): build against a LibTorch "
-                  "with CUDA, as README.md's 'LibTorch on a GPU' says, on a machine with a GPU";
+                  "with CUDA, as docs/gpu.md's 'LibTorch on a GPU' says, on a machine with a GPU";
         if (why) {
             if (procs.leader()) std::fprintf(stderr, "%s: --device cuda: this program %s\n", program, why);
             return 2;

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""The flagship at large global batches (README.md, "Large batches"): SGD and K-FAC tuned on
+"""The flagship at large global batches (docs/examples.md, "Large batches"): SGD and K-FAC tuned on
 tuning seeds at each batch, then the winners on held-out seeds, in one process or under
 mpiexec.
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """Plots kfac_fashion_mnist's curvature CSVs (--curvature-csv): each layer's curvature share
-(kfac::preconditioner::curvature(), README.md "Curvature modes") after every epoch, one panel
+(kfac::preconditioner::curvature(), docs/curvature-modes.md) after every epoch, one panel
 per model, one line style per run label.
 
 usage: plot_curvature.py LABEL=RUN_curvature.csv [LABEL=MORE_curvature.csv ...] OUT.png

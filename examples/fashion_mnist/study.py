@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Tunes and measures kfac_fashion_mnist the way README.md describes: a small grid per
+"""Tunes and measures kfac_fashion_mnist the way examples/fashion_mnist/README.md describes: a small grid per
 optimizer on the tuning seeds, then the winners on other seeds.
 
   study.py grid  BINARY OUT_DIR --model cnn --epochs 5 --seeds 1,2 [--threads N]
@@ -12,7 +12,7 @@ optimizer on the tuning seeds, then the winners on other seeds.
   study.py runs  BINARY OUT_DIR --model cnn --epochs 5 --seeds 3,4,5 [--threads N] [--optimizers sgd,kfac]
       the optimizers with the program's defaults (the grids' winners) on each seed.
   study.py table OUT_DIR[=LABEL] [OUT_DIR[=LABEL] ...]
-      the README's table: per model, optimizer and seed, the first epoch and training seconds
+      the held-out table of examples/fashion_mnist/README.md and docs/examples.md: per model, optimizer and seed, the first epoch and training seconds
       at 88 % and 90 % test accuracy and the final accuracy, with the means.
 """
 
@@ -26,11 +26,11 @@ from collections import defaultdict
 
 GRID = {
     "sgd": [{"lr": lr} for lr in (0.02, 0.05, 0.1, 0.2)],
-    # Damping up to 0.03 diverged or lagged in a first sweep (README.md): with kl_clip 0.001 the
+    # Damping up to 0.03 diverged or lagged in a first sweep (examples/fashion_mnist/README.md): with kl_clip 0.001 the
     # clipped step's size is about sqrt(kl_clip / damping), whatever the learning rate.
     "kfac": [{"kfac-lr": lr, "damping": d} for lr in (0.05, 0.1, 0.2) for d in (0.1, 0.3, 1.0)],
 }
-# K-FAC with the curvature modes (README.md, "Curvature modes"): per-example statistics and
+# K-FAC with the curvature modes (docs/curvature-modes.md): per-example statistics and
 # bias-corrected averaging, so that the factors hold the curvature and nothing else, and the
 # KL clip's trust region annealed with the learning rate (a clipped step's size is
 # √(κ / Σ P·Γ) whatever the learning rate). Damping × kl_clip, as a clipped run's step is set by

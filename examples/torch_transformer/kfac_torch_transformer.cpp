@@ -262,7 +262,7 @@ int main(int argc, char** argv) {
     }
     if (s.device == "cuda" && !torch::cuda::is_available()) {
         std::fprintf(stderr, "kfac_torch_transformer: --device cuda: LibTorch sees no CUDA device (Debian's LibTorch is "
-                             "CPU-only; build against a LibTorch with CUDA, README.md 'LibTorch on a GPU')\n");
+                             "CPU-only; build against a LibTorch with CUDA, docs/gpu.md 'LibTorch on a GPU')\n");
         return 2;
     }
     try {

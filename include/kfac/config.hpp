@@ -37,9 +37,9 @@
 #define KFAC_IM2COL_CHUNK_ROWS 512
 #endif
 
-#define KFAC_VERSION_MAJOR 0
-#define KFAC_VERSION_MINOR 1
-#define KFAC_VERSION_PATCH 0
+#define KFAC_VERSION_MAJOR 0  ///< the library's version, major.minor.patch: major
+#define KFAC_VERSION_MINOR 1  ///< minor version
+#define KFAC_VERSION_PATCH 0  ///< patch version
 
 namespace kfac {
 
@@ -47,6 +47,7 @@ namespace kfac {
 /// and what to change.
 class error : public std::runtime_error {
 public:
+    /// An error of no one layer; what() is `what` after "kfac: ".
     explicit error(const std::string& what) : std::runtime_error("kfac: " + what) {}
     /// An error about one registered layer (or block), which the message names too.
     error(const std::string& what, const std::string& layer)

@@ -26,12 +26,16 @@ namespace kfac {
 /// k × k block's k eigenvalues; a G that is not estimated (a normalisation layer's) is the
 /// 1 × 1 identity.
 struct factor_spectrum {
-    std::int64_t dim = 0;
-    double mean = 0.0, min = 0.0, max = 0.0;  ///< NaN when the decomposition failed
+    std::int64_t dim = 0;  ///< the factor's dimension: how many eigenvalues
+    ///@{
+    /// Mean, smallest and largest eigenvalue, each clamped at 0; NaN when the decomposition failed.
+    double mean = 0.0, min = 0.0, max = 0.0;
+    ///@}
 };
 
 /// One registered layer on this rank.
 struct layer_curvature {
+    /// The layer's (or group block's) registered name.
     std::string name;
     /// Whether this rank keeps the layer's running factors (under DP-KFAC only its owner
     /// does); when false the rest is NaN.
@@ -40,12 +44,18 @@ struct layer_curvature {
     /// averaging (Π ξ over the updates so far), 0 under bias-corrected averaging once a
     /// statistic is in (1 before). NaN: unknown (loaded from a checkpoint that predates it).
     double identity_weight = std::numeric_limits<double>::quiet_NaN();
+    ///@{
+    /// Eigenvalues of the running A and G factors.
     factor_spectrum a, g;
+    ///@}
     /// m_A · m_G: the mean eigenvalue of A ⊗ G.
     double mean_product = std::numeric_limits<double>::quiet_NaN();
     /// γ at the current step and where an inverse update now would put it (t_A, t_G, t_P).
     double damping = std::numeric_limits<double>::quiet_NaN();
+    ///@{
+    /// The damping terms t_A, t_G and t_P an inverse update now would use.
     double damping_a = 0.0, damping_g = 0.0, damping_product = 0.0;
+    ///@}
     /// Mean over the eigendirections of λ_A λ_G / ((λ_A + t_A)(λ_G + t_G) + t_P), in [0, 1].
     double curvature_share = std::numeric_limits<double>::quiet_NaN();
 };

@@ -13,9 +13,9 @@ namespace kfac {
 
 /// Something non-finite the preconditioner met and contained (see preconditioner::health).
 struct non_finite_event {
-    std::string layer;
-    non_finite_source source;
-    std::int64_t step;
+    std::string layer;          ///< the layer's registered name
+    non_finite_source source;   ///< where the value was met
+    std::int64_t step;          ///< the step's number k (step_result::step)
 };
 
 /// Counters of contained non-finite values. Nothing non-finite ever reaches the gradients
@@ -28,13 +28,13 @@ struct health_counters {
     std::int64_t kept_decompositions = 0;     ///< decompositions that failed; previous kept
     std::int64_t zeroed_gradients = 0;        ///< layers whose gradient was zeroed for a step
     /// Steps skipped whole because, with options.loss_scale, their gradients or statistics
-    /// overflowed (README, "Precision").
+    /// overflowed (docs/precision.md).
     std::int64_t skipped_steps = 0;
     /// Decompositions that failed in the backend's type and were retried in double
     /// (options.fp64_retry), whether the retry succeeded or not.
     std::int64_t fp64_retries = 0;
     /// Factor updates that options.factor_storage = fp16 kept in bf16 instead, since fp16 would
-    /// have flushed one of the factor's variances to zero or to a subnormal (README, "Precision").
+    /// have flushed one of the factor's variances to zero or to a subnormal (docs/precision.md).
     std::int64_t storage_fallbacks = 0;
 
     /// Adds the counts of `o` (a step's, or a load's), each saturating at the largest
@@ -67,8 +67,8 @@ struct step_result {
 /// checkpoints): with options.eigenbasis_reuse_tolerance, how many kept their previous
 /// eigenvectors and how many were decomposed (every one without it).
 struct eigenbasis_count {
-    std::int64_t decomposed = 0;
-    std::int64_t reused = 0;
+    std::int64_t decomposed = 0;  ///< factors decomposed
+    std::int64_t reused = 0;      ///< factors that kept their previous eigenvectors
 };
 
 }  // namespace kfac

@@ -29,14 +29,19 @@ namespace kfac {
 template <class T>
 class hyperparameter {
 public:
+    /// A schedule: the value as a function of the step number k (0 at the first step()).
     using schedule_type = std::function<T(std::int64_t)>;
 
     hyperparameter() = default;
 
+    /// A constant: `value` at every step. Implicit, so that `opts.damping = 0.003;` reads as
+    /// written.
     template <class U>
         requires std::convertible_to<U, T> && (!std::is_invocable_v<U, std::int64_t>)
     hyperparameter(U value) : value_(T(std::move(value))) {}  // NOLINT: implicit by design
 
+    /// A schedule: `schedule(k)`, converted to T, at step k. Implicit, so that a lambda can be
+    /// assigned.
     template <class F>
         requires std::is_invocable_v<F, std::int64_t> &&
                  std::convertible_to<std::invoke_result_t<F, std::int64_t>, T>
@@ -49,6 +54,7 @@ public:
         return std::get<schedule_type>(value_)(k);
     }
 
+    /// Whether it was given as a schedule rather than a constant.
     [[nodiscard]] bool is_schedule() const noexcept { return value_.index() == 1; }
 
 private:
@@ -79,7 +85,7 @@ enum class distribution {
     dp_kfac,
 };
 
-/// How a pass's batch statistics are scaled (README, "Curvature modes").
+/// How a pass's batch statistics are scaled (docs/curvature-modes.md).
 enum class statistic_scale {
     /// kfac-pytorch's: A and G are means over the statistic's rows of the activations' and of
     /// the output gradients' outer products, a convolution's patches and output gradients
@@ -119,7 +125,7 @@ enum class damping_form {
 /// What the preconditioner reports when it meets NaN or ±Inf (see preconditioner::health), or
 /// a value it would otherwise lose: `gradient` also when the preconditioned gradient is finite
 /// but beyond its view's format; `factor_storage` when fp16 factor storage would have flushed a
-/// variance of a factor, which is then kept in bf16 (README, "Precision").
+/// variance of a factor, which is then kept in bf16 (docs/precision.md).
 enum class non_finite_source { factor_statistics, decomposition, gradient, factor_storage };
 
 /// Run-time options. Defaults are kfac-pytorch's (KFACPreconditioner) defaults.
@@ -155,7 +161,7 @@ struct options {
     /// Qᵀ F Q: at most τ ‖F‖_F in Frobenius norm. Otherwise F is decomposed exactly and its new
     /// eigenvectors are the next reference. The decision depends only on F and Q, which a
     /// checkpoint holds, so a resume takes the same decisions. Typical τ: 0.01 to 0.1
-    /// (README, "Approximate eigenbasis refresh"). Backends without it refuse τ > 0.
+    /// (docs/performance.md, "Approximate eigenbasis refresh"). Backends without it refuse τ > 0.
     double eigenbasis_reuse_tolerance = 0.0;
     /// ECMAScript regular expressions; a layer is not registered when one of them is found
     /// (std::regex_search, case-sensitive) in its name or its kind ("linear", "Linear",
@@ -169,7 +175,7 @@ struct options {
     /// Patch extraction for dilated convolutions.
     conv_patch_mode conv_patches = conv_patch_mode::reference;
 
-    // Curvature modes (README, "Curvature modes"): each opt-in; the defaults are kfac-pytorch's.
+    // Curvature modes (docs/curvature-modes.md): each opt-in; the defaults are kfac-pytorch's.
     /// The scale of the batch statistics: the reference's, or the per-example Fisher's.
     statistic_scale statistics = statistic_scale::reference;
     /// The running average: the reference's (from the identity) or bias-corrected.
@@ -188,6 +194,7 @@ struct options {
     int threads = 0;
 
     // Distribution; without effect in a single process.
+    /// How second-order work and state are distributed over the ranks: KAISA or DP-KFAC.
     distribution strategy = distribution::kaisa;
     /// KAISA's gradient-worker fraction f in [0, 1]: kfac::comm_opt (1), kfac::hybrid_opt
     /// (0.5), kfac::mem_opt (0, meaning 1/W), or any f with W·f a divisor of W.
@@ -214,11 +221,11 @@ struct options {
     /// rank must set it alike (it is part of the configuration agreement). The same buckets and
     /// arithmetic as without it: the same numbers while a layer's rows summed over the ranks
     /// stay below 2²⁴ in float (2⁵³ in double) and BLAS runs one thread per rank (the default
-    /// with several ranks; README, "Overlap"). A device backend that stages its collectives
+    /// with several ranks; docs/distribution.md, "Overlap"). A device backend that stages its collectives
     /// through the host completes the allreduce whole, as without it.
     bool overlap_factor_allreduce = false;
 
-    // Mixed precision (README, "Precision").
+    // Mixed precision (docs/precision.md).
     /// The loss scale s of mixed-precision training (> 0, finite): the host back-propagates
     /// s·L, so its output gradients are s times the true ones, and the G statistics (a
     /// normalisation layer's statistic) are divided by s², as kfac-pytorch divides the output
@@ -227,23 +234,23 @@ struct options {
     /// (a schedule, or a constant other than 1), a step whose gradients or statistics hold an
     /// inf or a NaN on any rank (the scale was too large, and the scaler will skip the step) is
     /// skipped whole: step() returns step_result::skipped, and nothing changes but
-    /// health().skipped_steps (README, "Precision"). Call the scaler's unscale before step():
+    /// health().skipped_steps (docs/precision.md). Call the scaler's unscale before step():
     /// the weight gradients must be the true ones.
     hyperparameter<double> loss_scale{1.0};
     /// Decompose (eigendecomposition or damped inverse) every dense factor in double, and
     /// round the result to the backend's type: kronfluence's default, for a float backend whose
-    /// factors are ill-conditioned. Costs a double decomposition per factor (README,
-    /// "Precision"); a double backend already does this.
+    /// factors are ill-conditioned. Costs a double decomposition per factor
+    /// (docs/precision.md); a double backend already does this.
     bool fp64_decompositions = false;
     /// A float backend's decomposition that fails or returns non-finite values is retried once
     /// in double (Distributed Shampoo's rule), counted in health().fp64_retries; only if the retry
-    /// fails too is the previous decomposition kept (README, "Non-finite values"). It changes
+    /// fails too is the previous decomposition kept (docs/troubleshooting.md, "Non-finite values"). It changes
     /// nothing for a decomposition that succeeds.
     bool fp64_retry = true;
     /// Storage of the running factors between steps: precision::bf16 or precision::fp16 (half
     /// the bytes of float), or unset for the backend's type. Each stored factor is rounded once
     /// (fp16 at a power-of-two scale that fits its range) and widened exactly for each use;
-    /// checkpoints record it in that dtype (README, "Precision").
+    /// checkpoints record it in that dtype (docs/precision.md).
     std::optional<precision> factor_storage{};
 };
 
@@ -268,7 +275,12 @@ inline std::string option_text(const char* name, const std::string& value, std::
     return s + " evaluated to " + value + " at step " + std::to_string(*step);
 }
 
-/// The names of the curvature modes' values, as configurations and checkpoints record them.
+/// The names of the enumerated options' values, as configurations and checkpoints record them
+/// (kfac/checkpoint/saved_options.hpp checks a file's against them).
+inline const char* option_value_name(conv_patch_mode m) {
+    return m == conv_patch_mode::dilated ? "dilated" : "reference";
+}
+inline const char* option_value_name(distribution d) { return d == distribution::dp_kfac ? "dp_kfac" : "kaisa"; }
 inline const char* option_value_name(statistic_scale s) {
     return s == statistic_scale::per_example ? "per_example" : "reference";
 }

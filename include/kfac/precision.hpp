@@ -18,6 +18,7 @@ namespace kfac {
 /// A floating-point format.
 enum class precision { bf16, fp16, fp32, fp64 };
 
+/// The format's name, as checkpoints and messages write it: "bf16", "fp16", "fp32" or "fp64".
 [[nodiscard]] constexpr const char* precision_name(precision p) noexcept {
     switch (p) {
         case precision::bf16: return "bf16";
@@ -61,13 +62,15 @@ enum class precision { bf16, fp16, fp32, fp64 };
 template <class T>
 struct number_format {};
 
+/// float is fp32.
 template <>
 struct number_format<float> {
-    static constexpr precision format = precision::fp32;
+    static constexpr precision format = precision::fp32;  ///< float's format
 };
+/// double is fp64.
 template <>
 struct number_format<double> {
-    static constexpr precision format = precision::fp64;
+    static constexpr precision format = precision::fp64;  ///< double's format
 };
 
 /// An element type kfac reads and writes: float, double, or a declared 16-bit type.

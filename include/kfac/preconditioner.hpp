@@ -50,6 +50,8 @@
 
 namespace kfac {
 
+/// The K-FAC preconditioner: step() replaces the weight and bias gradients of the registered layers
+/// in place by K-FAC preconditioned ones; kfac::KFAC is its alias.
 /// @tparam Backend storage and linear algebra (kfac::backend::cpu_eigen<Scalar>).
 /// @tparam CommPolicy collectives (kfac::comm::serial).
 /// @tparam ComputeMethod kfac::compute::eigendecomposition or kfac::compute::inverse.
@@ -59,10 +61,15 @@ class preconditioner {
     using engine_type = detail::engine<Backend, CommPolicy, ComputeMethod>;
 
 public:
+    /// The Backend policy: storage and linear algebra.
     using backend_type = Backend;
+    /// The ComputeMethod policy: eigendecompositions or inverses.
     using compute_method = ComputeMethod;
+    /// The backend's compute type (float or double), in which factors and gradients are kept.
     using scalar_type = typename Backend::scalar_type;
+    /// The backend's matrix type, which a_factor() and g_factor() return.
     using matrix = typename Backend::matrix;
+    /// What eigenbasis_counts() returns (kfac/health.hpp).
     using eigenbasis_count = kfac::eigenbasis_count;
 
     /// Collective under a CommPolicy with several ranks: every rank constructs its
@@ -224,6 +231,8 @@ public:
     /// (kfac/step_times.hpp); all 0 before the first step. A step that failed leaves what it
     /// measured up to the failure.
     [[nodiscard]] const step_times& last_step_times() const noexcept { return last_step_times_; }
+    /// Counts of the non-finite values contained so far (kfac/health.hpp); load() sets them to the
+    /// ones the file recorded.
     [[nodiscard]] const health_counters& health() const noexcept { return engine_.health(); }
     /// Dense factors this rank has computed second-order data for since construction (not
     /// saved in checkpoints): with options.eigenbasis_reuse_tolerance, how many kept their
@@ -233,6 +242,7 @@ public:
     void on_non_finite(std::function<void(const non_finite_event&)> callback) {
         engine_.on_non_finite(std::move(callback));
     }
+    /// The options the preconditioner was constructed with.
     [[nodiscard]] const options& get_options() const noexcept { return engine_.get_options(); }
     /// Ranks that compute a layer's A and G second-order data.
     [[nodiscard]] assignment::factor_workers workers(const std::string& name) const { return engine_.workers(name); }
@@ -253,7 +263,9 @@ public:
     [[nodiscard]] memory_report memory_usage() const { return engine_.memory_usage(); }
     /// Name of the distribution in force: comm_opt, hybrid_opt, mem_opt or dp_kfac.
     [[nodiscard]] std::string strategy_name() const { return engine_.strategy_name(); }
+    /// The communication policy it was constructed with.
     [[nodiscard]] const CommPolicy& comm() const noexcept { return engine_.comm(); }
+    /// The communication policy it was constructed with, for non-const calls.
     [[nodiscard]] CommPolicy& comm() noexcept { return engine_.comm(); }
 
 private:

@@ -20,6 +20,7 @@ enum class step_phase : int {
     write_back,    ///< the gradients written into the host's buffers
     commit,        ///< the step counted, and the on_non_finite callbacks
 };
+/// The number of phases.
 inline constexpr std::size_t step_phase_count = 8;
 
 /// The phase's name, as NVTX ranges and benchmarks print it.
@@ -34,9 +35,11 @@ inline constexpr std::size_t step_phase_count = 8;
 /// device backend's work queued in one phase and waited for in a later one counts there. A phase
 /// the step did not run (no factor update, a skipped step) took 0.
 struct step_times {
-    std::array<double, step_phase_count> seconds{};
+    std::array<double, step_phase_count> seconds{};  ///< indexed by step_phase
 
+    /// Seconds spent in phase `p`.
     [[nodiscard]] double operator[](step_phase p) const noexcept { return seconds[static_cast<std::size_t>(p)]; }
+    /// Seconds spent in all the phases together.
     [[nodiscard]] double total() const noexcept {
         double sum = 0.0;
         for (double s : seconds) sum += s;

@@ -1,25 +1,116 @@
-# kfac_readme_code_block(<out> <heading> <language>): the first ```<language> block after the
-# first line that starts with <heading> ("## Quick start") in the repository's README.md, for the tests that build the
-# README's code as written. Configure re-runs when README.md changes; a missing heading or
-# block is a configure error naming it.
-function(kfac_readme_code_block out heading language)
-  set(readme ${PROJECT_SOURCE_DIR}/README.md)
-  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${readme})
-  file(READ ${readme} text)
-  string(FIND "${text}" "\n${heading}" at)
+# The code of the README and the manual (docs/*.md), extracted at configure time for the tests
+# that compile it as written. Configure re-runs when a Markdown file read here changes.
+#
+# kfac_doc_code_block(<out> <file> <heading> <language>)
+#   The first ```<language> block after the first line of <file> (a Markdown file, relative to
+#   the repository root) that starts with <heading> ("## Quick start"). A missing heading or
+#   block is a configure error naming it.
+#
+# kfac_doc_fragments(<out_names> <out_dir> <file>...)
+#   Every ```cpp block marked by the line `<!-- fragment: NAME -->` right above its fence, in
+#   the given Markdown files, written to <out_dir>/NAME.inc behind a #line directive (so that a
+#   compiler error names the Markdown file and line), for tests/readme/fragments.cpp to
+#   include; <out_names> gets the names. A marker without a ```cpp fence on the next line, a
+#   name used twice or a name that is not an identifier is a configure error; .inc files of
+#   fragments that no longer exist are removed.
+
+function(kfac_doc_code_block out file heading language)
+  set(path ${PROJECT_SOURCE_DIR}/${file})
+  if(NOT EXISTS ${path})
+    message(FATAL_ERROR "${file} does not exist; a test builds the code of its '${heading}' section")
+  endif()
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${path})
+  file(READ ${path} text)
+  string(FIND "\n${text}" "\n${heading}" at)
   if(at EQUAL -1)
-    message(FATAL_ERROR "README.md has no '${heading}' section; a test builds its code")
+    message(FATAL_ERROR "${file} has no '${heading}' section; a test builds its code")
   endif()
   string(SUBSTRING "${text}" ${at} -1 text)
   set(fence "```${language}\n")
-  string(FIND "${text}" "${fence}" begin)
+  string(FIND "${text}" "\n${fence}" begin)
   if(begin EQUAL -1)
-    message(FATAL_ERROR "README.md's '${heading}' section has no ${fence}block")
+    message(FATAL_ERROR "${file}'s '${heading}' section has no ${fence}block")
   endif()
-  string(LENGTH "${fence}" skip)
+  string(LENGTH "\n${fence}" skip)
   math(EXPR begin "${begin} + ${skip}")
   string(SUBSTRING "${text}" ${begin} -1 text)
   string(FIND "${text}" "\n```" end)
   string(SUBSTRING "${text}" 0 ${end} code)
   set(${out} "${code}" PARENT_SCOPE)
+endfunction()
+
+# Writes `content` to `path` unless the file already holds it (a rewrite would rebuild what
+# includes it at every configure).
+function(kfac_write_if_changed path content)
+  if(EXISTS ${path})
+    file(READ ${path} old)
+    if(old STREQUAL content)
+      return()
+    endif()
+  endif()
+  file(WRITE ${path} "${content}")
+endfunction()
+
+function(kfac_doc_fragments out_names out_dir)
+  set(marker "\n<!-- fragment: ")  # at the start of a line
+  string(LENGTH "${marker}" marker_length)
+  set(fence "```cpp\n")
+  string(LENGTH "${fence}" fence_length)
+  set(names)
+  foreach(file IN LISTS ARGN)
+    set(path ${PROJECT_SOURCE_DIR}/${file})
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${path})
+    file(READ ${path} text)
+    set(offset 0)  # where `rest` starts in `text`
+    set(rest "${text}")
+    while(TRUE)
+      string(FIND "${rest}" "${marker}" at)
+      if(at EQUAL -1)
+        break()
+      endif()
+      math(EXPR start "${at} + ${marker_length}")
+      string(SUBSTRING "${rest}" ${start} -1 rest)
+      math(EXPR offset "${offset} + ${start}")
+      string(FIND "${rest}" " -->\n" close)
+      if(close EQUAL -1)
+        message(FATAL_ERROR "${file}: a fragment marker is not closed by ' -->' at the end of its line")
+      endif()
+      string(SUBSTRING "${rest}" 0 ${close} name)
+      if(NOT name MATCHES "^[A-Za-z_][A-Za-z0-9_]*$")
+        message(FATAL_ERROR "${file}: fragment name '${name}' is not an identifier")
+      endif()
+      if(name IN_LIST names)
+        message(FATAL_ERROR "${file}: fragment '${name}' is defined twice; give each fragment its own name")
+      endif()
+      math(EXPR after "${close} + 5")
+      string(SUBSTRING "${rest}" ${after} -1 rest)
+      math(EXPR offset "${offset} + ${after}")
+      string(FIND "${rest}" "${fence}" fence_at)
+      if(NOT fence_at EQUAL 0)
+        message(FATAL_ERROR "${file}: the fragment marker '${name}' must be the line right above a ```cpp fence")
+      endif()
+      string(SUBSTRING "${rest}" ${fence_length} -1 rest)
+      math(EXPR offset "${offset} + ${fence_length}")
+      string(FIND "${rest}" "\n```" end)
+      if(end EQUAL -1)
+        message(FATAL_ERROR "${file}: the ```cpp block of fragment '${name}' is not closed")
+      endif()
+      string(SUBSTRING "${rest}" 0 ${end} code)
+      # The code's first line number: one more than the newlines before it.
+      string(SUBSTRING "${text}" 0 ${offset} before)
+      string(REGEX MATCHALL "\n" newlines "${before}")
+      list(LENGTH newlines line)
+      math(EXPR line "${line} + 1")
+      kfac_write_if_changed(${out_dir}/${name}.inc "#line ${line} \"${file}\"\n${code}\n")
+      list(APPEND names ${name})
+    endwhile()
+  endforeach()
+  file(GLOB written ${out_dir}/*.inc)
+  foreach(old IN LISTS written)
+    get_filename_component(old_name ${old} NAME_WE)
+    if(NOT old_name IN_LIST names)
+      file(REMOVE ${old})
+    endif()
+  endforeach()
+  set(${out_names} ${names} PARENT_SCOPE)
 endfunction()

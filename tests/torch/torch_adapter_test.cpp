@@ -1235,7 +1235,7 @@ TEST_CASE("track() takes a holder of every module type in the adapter's table, a
     CHECK(tracker.size() == 8);
 }
 
-// ---- mixed precision (README, "Precision") ----------------------------------------------
+// ---- mixed precision (docs/precision.md) -------------------------------------------------
 
 TEST_CASE("a bf16 model registers and trains, its gradients written back in bf16", "[torch][precision]") {
     torch::manual_seed(5);

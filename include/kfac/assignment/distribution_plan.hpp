@@ -35,7 +35,10 @@ struct rank_role {
     bool computes_g = true;           ///< computes the G factor's second-order data
     bool grad_worker = true;          ///< holds the second-order data and preconditions
     bool share_second_order = false;  ///< takes part in broadcasting it within the column
-    int a_root = 0, g_root = 0;       ///< the A and G workers' ranks within the column group
+    ///@{
+    /// The A and G workers' ranks within the column group.
+    int a_root = 0, g_root = 0;
+    ///@}
     bool share_gradient = false;      ///< takes part in broadcasting the preconditioned gradient
     int grad_root = 0;                ///< the broadcasting rank within the gradient group
 
@@ -48,20 +51,24 @@ struct rank_role {
 
 /// Where one layer's work runs, over all ranks (ascending rank lists).
 struct layer_placement {
-    int a_worker = 0, g_worker = 0;  ///< ranks computing the A and G second-order data
-    std::vector<int> factor_holders;
-    std::vector<int> grad_workers;
+    ///@{
+    /// Ranks computing the A and G second-order data.
+    int a_worker = 0, g_worker = 0;
+    ///@}
+    std::vector<int> factor_holders;  ///< ranks capturing statistics and keeping the running factors
+    std::vector<int> grad_workers;    ///< ranks holding the second-order data and preconditioning
 };
 
 /// The whole placement; `role(layer, rank)` is one rank's view of it.
 struct distribution_plan {
-    distribution strategy = distribution::kaisa;
-    int world = 1;
+    distribution strategy = distribution::kaisa;  ///< KAISA or DP-KFAC
+    int world = 1;                                ///< the world size planned for
     int columns = 1;               ///< KAISA: gradient-worker groups (1 under DP-KFAC)
-    int grad_workers_per_layer = 1;
+    int grad_workers_per_layer = 1;  ///< KAISA: ranks per column, g = max(1, W·f) (1 under DP-KFAC)
     std::string name = "comm_opt";  ///< comm_opt, hybrid_opt, mem_opt or dp_kfac
-    std::vector<layer_placement> layers;
+    std::vector<layer_placement> layers;  ///< per layer, in registration order
 
+    /// Whether the strategy is KAISA (else DP-KFAC).
     [[nodiscard]] bool kaisa() const noexcept { return strategy == distribution::kaisa; }
     /// Second-order data is broadcast within a layer's column (KAISA, columns of > 1 rank).
     [[nodiscard]] bool broadcast_second_order() const noexcept { return kaisa() && grad_workers_per_layer > 1; }
@@ -71,8 +78,12 @@ struct distribution_plan {
     }
     /// The colour of `rank`'s column group and of its gradient group (for CommPolicy::split).
     [[nodiscard]] int column_of(int rank) const noexcept { return kaisa() ? rank % columns : rank; }
+    /// `rank`'s row of the grid: the colour of its gradient group and its rank within its column
+    /// group (0 under DP-KFAC).
     [[nodiscard]] int row_of(int rank) const noexcept { return kaisa() ? rank / columns : 0; }
 
+    /// What `rank` does for layer `layer` (an index into `layers`).
+    /// @throws std::out_of_range for a layer index out of range.
     [[nodiscard]] rank_role role(std::size_t layer, int rank) const {
         const auto& l = layers.at(layer);
         rank_role r;

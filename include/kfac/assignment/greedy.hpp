@@ -22,19 +22,21 @@ namespace kfac::assignment {
 
 /// Cost of one layer's two factors.
 struct layer_work {
-    double a = 0.0;
-    double g = 0.0;
+    double a = 0.0;  ///< the A factor's cost
+    double g = 0.0;  ///< the G factor's cost
 };
 
 /// Rank that computes each factor of a layer.
 struct factor_workers {
-    int a = -1;
-    int g = -1;
+    int a = -1;  ///< rank computing the A factor's second-order data
+    int g = -1;  ///< rank computing the G factor's second-order data
 };
 
+/// The ranks computing each layer's A and G second-order data, by greedy placement (above).
 /// @param work per layer, in registration order.
 /// @param groups worker groups (lists of ranks), e.g. the columns of KAISA's grid.
 /// @param world_size number of ranks.
+/// @param colocate_factors place a layer's A and G work on the same rank.
 /// @throws kfac::error if a group is empty or names a rank outside [0, world_size).
 [[nodiscard]] inline std::vector<factor_workers> greedy_assignment(
     const std::vector<layer_work>& work, const std::vector<std::vector<int>>& groups,

@@ -25,6 +25,8 @@ inline constexpr double mem_opt = 0.0;     ///< means 1/W: one rank per layer
 
 namespace assignment {
 
+/// KAISA's grid of W ranks: g = max(1, W·f) rows (gradient workers per layer, f the gradient-worker
+/// fraction, 0 meaning 1/W) by W/g columns; rank r sits in column r mod (W/g), row r div (W/g).
 class kaisa_grid {
 public:
     /// @throws kfac::error naming the valid fractions when W·f is not a divisor of W.
@@ -65,12 +67,15 @@ public:
         return s;
     }
 
+    /// W: the number of ranks.
     [[nodiscard]] int world_size() const noexcept { return world_; }
     /// g: gradient workers per layer (rows of the grid).
     [[nodiscard]] int grad_workers() const noexcept { return rows_; }
     /// W/g: number of columns (gradient-worker groups).
     [[nodiscard]] int columns() const noexcept { return cols_; }
+    /// The column (gradient-worker group) of `rank`.
     [[nodiscard]] int column_of(int rank) const noexcept { return rank % cols_; }
+    /// The row of `rank`: its index within its column.
     [[nodiscard]] int row_of(int rank) const noexcept { return rank / cols_; }
     /// Ranks of column c, ascending.
     [[nodiscard]] std::vector<int> column(int c) const {

@@ -38,7 +38,10 @@ std::vector<factor_workers> greedy_by(Cost cost, const std::vector<std::pair<std
 
 /// KAISA COMPUTE: balance the n³ cost of decomposing each factor.
 struct compute_balanced {
+    /// The strategy's name, part of the configuration the ranks agree on.
     static constexpr const char* name = "compute";
+    /// The ranks computing each layer's A and G second-order data, given the factor dimensions
+    /// (A, G; bias included) and the worker groups, as greedy_assignment() takes them.
     static std::vector<factor_workers> assign(const std::vector<std::pair<std::int64_t, std::int64_t>>& dims,
                                               const std::vector<std::vector<int>>& groups,
                                               int world_size, bool colocate) {
@@ -48,7 +51,10 @@ struct compute_balanced {
 
 /// KAISA MEMORY: balance the n² storage of each factor's second-order data.
 struct memory_balanced {
+    /// The strategy's name, part of the configuration the ranks agree on.
     static constexpr const char* name = "memory";
+    /// The ranks computing each layer's A and G second-order data, given the factor dimensions
+    /// (A, G; bias included) and the worker groups, as greedy_assignment() takes them.
     static std::vector<factor_workers> assign(const std::vector<std::pair<std::int64_t, std::int64_t>>& dims,
                                               const std::vector<std::vector<int>>& groups,
                                               int world_size, bool colocate) {
@@ -58,7 +64,10 @@ struct memory_balanced {
 
 /// Layer i goes to the i-th rank of the flattened group list, cyclically; for studies.
 struct round_robin {
+    /// The strategy's name, part of the configuration the ranks agree on.
     static constexpr const char* name = "round_robin";
+    /// The ranks computing each layer's A and G second-order data, given the factor dimensions
+    /// (A, G; bias included) and the worker groups, as greedy_assignment() takes them.
     static std::vector<factor_workers> assign(const std::vector<std::pair<std::int64_t, std::int64_t>>& dims,
                                               const std::vector<std::vector<int>>& groups,
                                               int /*world_size*/, bool colocate) {

@@ -96,12 +96,14 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
     static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                   "kfac::backend::cpu_eigen<Scalar>: Scalar must be float or double");
 
-    using scalar_type = Scalar;
-    using index = std::int64_t;
-    using matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
-    using vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+    using scalar_type = Scalar;     ///< the compute type: float or double
+    using index = std::int64_t;     ///< rows, columns and element counts
+    using matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;  ///< column-major, dense
+    using vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;               ///< a column, dense
+    /// A host's row-major view (data, rows, columns, row stride) read as a matrix, in place.
     using row_major_map = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
                                      0, Eigen::OuterStride<>>;
+    /// A host's contiguous row-major buffer written as a matrix, in place.
     using writable_row_major_map = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
     /// A buffer of one row per example (weight sharing `reduce`).
     using example_rows = writable_row_major_map;
@@ -136,9 +138,10 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
     /// Factors, second-order data and gradients live in host memory.
     static constexpr bool device_memory = false;
 
-    static matrix identity(index n) { return matrix::Identity(n, n); }
-    static matrix zeros(index rows, index cols) { return matrix::Zero(rows, cols); }
-    static vector ones(index n) { return vector::Ones(n); }
+    static matrix identity(index n) { return matrix::Identity(n, n); }             ///< the n × n identity
+    static matrix zeros(index rows, index cols) { return matrix::Zero(rows, cols); }  ///< a rows × cols zero matrix
+    static vector ones(index n) { return vector::Ones(n); }                        ///< n ones
+    /// The n × n matrix with `diagonal` on its diagonal, 0 elsewhere.
     static matrix scaled_identity(index n, Scalar diagonal) {
         matrix m = matrix::Zero(n, n);
         m.diagonal().setConstant(diagonal);
@@ -146,18 +149,20 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
     }
     /// The matrix itself: it is already in host memory.
     using host_matrix = matrix;
-    static const matrix& to_host(const matrix& m) { return m; }
-    static matrix from_host(host_matrix h) { return h; }
+    static const matrix& to_host(const matrix& m) { return m; }  ///< `m` itself
+    static matrix from_host(host_matrix h) { return h; }         ///< `h` itself
 
-    static void clamp_nonnegative(vector& v) { v = v.cwiseMax(Scalar(0)); }
-    static void add_constant(vector& v, Scalar s) { v.array() += s; }
+    static void clamp_nonnegative(vector& v) { v = v.cwiseMax(Scalar(0)); }  ///< v ← max(v, 0)
+    static void add_constant(vector& v, Scalar s) { v.array() += s; }        ///< v ← v + s
+    /// d(i, j) = 1 / (a_i·g_j + damping).
     static void inverse_eigen_product(const vector& a, const vector& g, Scalar damping, matrix& d) {
         d = ((a * g.transpose()).array() + damping).inverse().matrix();
     }
+    /// v(i, j) ← v(i, j) / (a_i·g_j + damping).
     static void divide_by_eigen_product(matrix& v, const vector& a, const vector& g, Scalar damping) {
         v.array() /= ((a * g.transpose()).array() + damping);
     }
-    static void multiply_elementwise(matrix& v, const matrix& d) { v.array() *= d.array(); }
+    static void multiply_elementwise(matrix& v, const matrix& d) { v.array() *= d.array(); }  ///< v ← v ∘ d
 
     /// F ← decay·F + weight·sum, after mirroring sum's lower triangle into its upper one.
     static void running_average(matrix& F, matrix& sum, Scalar decay, Scalar weight) {
@@ -195,6 +200,7 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
         lambda = l.template cast<Scalar>();
         return all_finite(Q) && lambda.allFinite();
     }
+    /// damped_inverse() in double: M widened exactly, the inverse rounded once to Scalar.
     static bool damped_inverse_fp64(const matrix& M, double damping, matrix& inverse) {
         using wide = cpu_eigen<double>;
         typename wide::matrix i;
@@ -203,6 +209,8 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
         return all_finite(inverse);
     }
 
+    /// C = op(A)·op(B), op the transpose where trans_a or trans_b says so (sgemm/dgemm with
+    /// LAPACK, else Eigen's product).
     static void multiply(const matrix& A, bool trans_a, const matrix& B, bool trans_b, matrix& C) {
         const index m = trans_a ? A.cols() : A.rows();
         const index k = trans_a ? A.rows() : A.cols();
@@ -223,7 +231,7 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
 #endif
     }
 
-    static bool all_finite(const matrix& M) { return M.allFinite(); }
+    static bool all_finite(const matrix& M) { return M.allFinite(); }  ///< no NaN, no ±Inf
     /// Finiteness of the lower triangle only (the part a statistic sum defines).
     static bool lower_all_finite(const matrix& M) {
         for (index j = 0; j < M.cols(); ++j)
@@ -273,6 +281,8 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
     // Eigenbasis reuse (kfac/backend/eigenbasis_reuse.hpp): F Q by GEMM (2n³, at the GEMM
     // rate), then the quotients and both norms in one O(n²) pass, in double so that a
     // residual near the tolerance is not decided by float rounding of n² terms.
+    /// λ_i = q_iᵀ F q_i and the relative residual ‖F Q − Q diag(λ)‖_F / ‖F‖_F, which it returns
+    /// (NaN for F = 0 or a non-finite input).
     static double rayleigh_quotients(const matrix& F, const matrix& Q, vector& lambda) {
         matrix fq;
         multiply(F, false, Q, false, fq);
@@ -294,22 +304,27 @@ struct cpu_eigen : detail::cpu_statistics<Scalar>, detail::cpu_unit_wise<Scalar>
     }
 
     // Diagonal factors and [in, out] weights (kfac/backend/diagonal_factors.hpp).
+    /// values ← column.
     static void diagonal_values(const matrix& column, vector& values) { values = column.col(0); }
+    /// out(i) = 1 / (column(i) + damping); false when a result is not finite.
     static bool damped_reciprocal(const matrix& column, Scalar damping, matrix& out) {
         out = (column.array() + damping).inverse().matrix();
         return all_finite(out);
     }
+    /// m(i, ·) ← column(i)·m(i, ·).
     static void scale_rows(matrix& m, const matrix& column) { m.array().colwise() *= column.col(0).array(); }
     /// gamma ← Γᵀ = the host's [in, out] row-major weight gradient as an in × out matrix.
     static void load_gradient_transposed(matrix& gamma, tensor_view<const Scalar> w) {
         const index rows = w.extent(0), cols = w.extent(1);
         gamma = row_major_map(w.data, rows, cols, Eigen::OuterStride<>(cols));
     }
+    /// The host's [in, out] weight gradient ← scale·Pᵀ (in × out).
     static void store_gradient_transposed(const matrix& pt, Scalar scale, tensor_view<Scalar> w) {
         const index rows = w.extent(0), cols = w.extent(1);
         writable_row_major_map(w.data, rows, cols) = scale * pt;
     }
 
+    /// Σ X∘Y over all entries, accumulated in double.
     static double frobenius_dot(const matrix& X, const matrix& Y) {
         double s = 0.0;
         const Scalar* x = X.data();

@@ -71,15 +71,17 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
     static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                   "kfac::backend::cuda<Scalar>: Scalar must be float or double");
 
-    using scalar_type = Scalar;
-    using index = std::int64_t;
-    using matrix = cuda_detail::device_matrix<Scalar>;
+    using scalar_type = Scalar;                          ///< the compute type: float or double
+    using index = std::int64_t;                          ///< rows, columns and element counts
+    using matrix = cuda_detail::device_matrix<Scalar>;   ///< column-major, dense, in device memory
     using vector = matrix;  ///< n × 1
-    using host_matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
-    using pinned_buffer = cuda_detail::pinned_buffer<Scalar>;
+    using host_matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;  ///< a column-major host copy
+    using pinned_buffer = cuda_detail::pinned_buffer<Scalar>;  ///< page-locked host memory for staging collectives
     /// Device scratch kept per layer: uploaded host views, patches, permuted gradients.
     using workspace = cuda_detail::device_workspace<Scalar>;
-    using channel_buffer = cuda_detail::device_buffer<Scalar>;
+    using channel_buffer = cuda_detail::device_buffer<Scalar>;  ///< device memory of Scalar values
+    /// Counts of synchronisations, device-to-host and host-to-device copies (members
+    /// synchronizations, device_to_host, host_to_device); two readings subtract.
     using transfer_counts = cuda_detail::transfer_counts;
 
     /// Nothing to do: library calls are issued from one host thread.
@@ -100,26 +102,30 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
     static void batch_small_factors(bool on) noexcept {
         cuda_detail::small_factor_batching().store(on, std::memory_order_relaxed);
     }
+    /// Whether small factors are decomposed together (batch_small_factors()).
     static bool batches_small_factors() noexcept {
         return cuda_detail::small_factor_batching().load(std::memory_order_relaxed);
     }
 
-    static constexpr bool device_memory = true;
+    static constexpr bool device_memory = true;  ///< factors, second-order data and gradients live on the device
 
     // --- construction and transfer ----------------------------------------------------------
 
+    /// A rows × cols zero matrix.
     static matrix zeros(index rows, index cols) {
         matrix m(rows, cols);
         if (m.size() > 0)
             cuda_detail::check(cudaMemsetAsync(m.data(), 0, calls::bytes(m.size()), cuda_detail::stream()), "cudaMemsetAsync");
         return m;
     }
+    /// The n × n matrix with `diagonal` on its diagonal, 0 elsewhere.
     static matrix scaled_identity(index n, Scalar diagonal) {
         matrix m(n, n);
         calls::launch("scaled_identity", [&] { kernels::scaled_identity(calls::policy(), m.data(), n, diagonal); });
         return m;
     }
-    static matrix identity(index n) { return scaled_identity(n, Scalar(1)); }
+    static matrix identity(index n) { return scaled_identity(n, Scalar(1)); }  ///< the n × n identity
+    /// n ones.
     static vector ones(index n) {
         vector v(n, 1);
         calls::launch("fill", [&] { kernels::fill(calls::policy(), v.data(), n, Scalar(1)); });
@@ -158,6 +164,7 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
         cuda_detail::note_blocking_download();
         cuda_detail::check(cudaMemcpy(host, device, count * sizeof(Scalar), cudaMemcpyDeviceToHost), "cudaMemcpy(download)");
     }
+    /// Copies `count` values from host memory to the device (synchronises).
     static void upload(const Scalar* host, Scalar* device, std::size_t count) {
         cuda_detail::note_blocking_upload();
         cuda_detail::check(cudaMemcpy(device, host, count * sizeof(Scalar), cudaMemcpyHostToDevice), "cudaMemcpy(upload)");
@@ -229,30 +236,35 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
                                   calls::narrow(std::max<index>(1, m)));
     }
 
+    /// v ← max(v, 0).
     static void clamp_nonnegative(vector& v) {
         calls::launch("clamp_nonnegative", [&] { kernels::clamp_nonnegative(calls::policy(), v.data(), v.size()); });
     }
+    /// v ← v + s.
     static void add_constant(vector& v, Scalar s) {
         calls::launch("add_constant", [&] { kernels::add_constant(calls::policy(), v.data(), v.size(), s); });
     }
+    /// d(i, j) = 1 / (a_i·g_j + damping).
     static void inverse_eigen_product(const vector& a, const vector& g, Scalar damping, matrix& d) {
         d.resize(a.size(), g.size());
         calls::launch("inverse_eigen_product", [&] {
             kernels::inverse_eigen_product(calls::policy(), a.data(), a.size(), g.data(), g.size(), damping, d.data());
         });
     }
+    /// v(i, j) ← v(i, j) / (a_i·g_j + damping).
     static void divide_by_eigen_product(matrix& v, const vector& a, const vector& g, Scalar damping) {
         calls::launch("divide_by_eigen_product", [&] {
             kernels::divide_by_eigen_product(calls::policy(), v.data(), a.data(), a.size(), g.data(), g.size(), damping);
         });
     }
+    /// v ← v ∘ d.
     static void multiply_elementwise(matrix& v, const matrix& d) {
         calls::launch("multiply_elementwise", [&] { kernels::multiply_elementwise(calls::policy(), v.data(), d.data(), v.size()); });
     }
 
     // --- checks and reductions (these synchronise) ----------------------------------------
 
-    static bool all_finite(const matrix& m) { return calls::all_finite(m); }
+    static bool all_finite(const matrix& m) { return calls::all_finite(m); }  ///< no NaN, no ±Inf
     /// Whether every element of a device view of the compute type is finite (the overflow vote
     /// of loss scaling, kfac/detail/engine_loss_scale.hpp).
     static bool device_view_finite(const tensor_view<const Scalar>& v) {
@@ -266,6 +278,7 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
 
     // --- decompositions in double (kfac/backend/fp64_decompositions.hpp) --------------------
 
+    /// symmetric_eigen() in double: M widened exactly, the result rounded once to Scalar.
     static bool symmetric_eigen_fp64(const matrix& m, matrix& q, vector& lambda) {
         if constexpr (std::is_same_v<Scalar, double>) {
             return symmetric_eigen(m, q, lambda);
@@ -278,6 +291,7 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
             return all_finite(q) && all_finite(lambda);
         }
     }
+    /// damped_inverse() in double: M widened exactly, the inverse rounded once to Scalar.
     static bool damped_inverse_fp64(const matrix& m, double damping, matrix& inverse) {
         if constexpr (std::is_same_v<Scalar, double>) {
             return damped_inverse(m, damping, inverse);
@@ -289,7 +303,7 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
             return all_finite(inverse);
         }
     }
-    // --- device views in another format (README, "Precision") -------------------------------
+    // --- device views in another format (docs/precision.md) ---------------------------------
 
     /// A device view of bf16, fp16 or the other of float/double, read into `buffer` as Scalar.
     static tensor_view<const Scalar> widen_device_view(const number_view<const void>& v, channel_buffer& buffer) {
@@ -339,6 +353,7 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
         calls::launch("convert", [&] { kernels::convert(calls::policy(), m.data(), m.size(), out.data()); });
         return out;
     }
+    /// Finiteness of the lower triangle only (the part a statistic sum defines).
     static bool lower_all_finite(const matrix& m) {
         bool ok = false;
         calls::launch("count_non_finite",
@@ -347,6 +362,7 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
             ok = kernels::count_non_finite(calls::sync_policy(), m.data(), m.size(), m.rows()) == 0; });
         return ok;
     }
+    /// Σ x∘y over all entries, accumulated in double.
     static double frobenius_dot(const matrix& x, const matrix& y) {
         double s = 0.0;
         calls::launch("frobenius_dot", [&] {

@@ -20,6 +20,7 @@
 
 namespace kfac::backend {
 
+/// Whether backend B has the two members above.
 template <class B>
 concept backend_with_fp64_decompositions =
     requires(const typename B::matrix& m, typename B::matrix& q, typename B::vector& lambda, double damping) {

@@ -38,17 +38,22 @@
 
 namespace kfac::blocks {
 
-using detail::factor_side;
+using detail::factor_side;  ///< the A or the G side of a layer's factors
 
 /// What a layer's block is, from its description alone: what placement, checkpoints and the
 /// schedule study need, none of which has a backend.
 struct block_layout {
-    const char* name = "";
+    const char* name = "";  ///< the kind's name: "dense Kronecker pair", ...
+    ///@{
     /// How each running factor is stored (kfac/layers/layer_description.hpp), which is what a
     /// checkpoint's value checks read.
     factor_structure a_structure = factor_structure::dense;
     factor_structure g_structure = factor_structure::dense;
-    std::int64_t a_rows = 0, a_cols = 0;  ///< the running A factor's storage
+    ///@}
+    ///@{
+    /// The running A factor's storage: a_rows × a_cols.
+    std::int64_t a_rows = 0, a_cols = 0;
+    ///@}
     std::int64_t g_dim = 0;               ///< the running G factor's storage: g_dim × g_dim
     int a_tensor_rank = 2;                ///< in a checkpoint; 1: A is saved as the vector of its diagonal
     /// The (A side, G side) sizes the assignment strategies weigh (kfac/assignment/placement_costs.hpp).
@@ -66,10 +71,17 @@ template <class Scalar>
 /// group's channels of a grouped convolution already gathered).
 template <class Scalar>
 struct statistic_pass {
+    ///@{
+    /// The applications' activations and output gradients, one view each.
     std::vector<tensor_view<const Scalar>> activations, output_gradients;
+    ///@}
     std::int64_t folded_before = 0;  ///< applications folded in by earlier passes of the step
+    ///@{
+    /// Elements of all the activation views and of all the output-gradient views: the weights
+    /// of the statistic tasks.
     double activation_elements = 0.0, gradient_elements = 0.0;
-    conv_patch_mode patches = conv_patch_mode::reference;
+    ///@}
+    conv_patch_mode patches = conv_patch_mode::reference;  ///< options.conv_patches
     /// Each application's scales (options.statistics); empty: the reference statistics.
     std::vector<detail::statistic_scales> scales{};
 };
@@ -107,14 +119,14 @@ template <class Backend>
 template <class Backend, class Method>
 class block {
 public:
-    using matrix = typename Backend::matrix;
-    using scalar = typename Backend::scalar_type;
-    using record = detail::layer_record<Backend, Method>;
-    using state = detail::layer_state<Backend, Method>;
-    using statistics = detail::step_statistics<Backend>;
-    using factor_data = typename Method::factor_data;
-    using layer_data = typename Method::layer_data;
-    using workspace = typename Method::workspace;
+    using matrix = typename Backend::matrix;         ///< the backend's matrix
+    using scalar = typename Backend::scalar_type;    ///< the backend's compute type
+    using record = detail::layer_record<Backend, Method>;  ///< all a registered record holds
+    using state = detail::layer_state<Backend, Method>;    ///< its running factors and second-order data
+    using statistics = detail::step_statistics<Backend>;   ///< its statistics of the step in progress
+    using factor_data = typename Method::factor_data;  ///< the method's second-order data of one factor
+    using layer_data = typename Method::layer_data;    ///< the method's second-order data of a layer
+    using workspace = typename Method::workspace;      ///< the method's preconditioning scratch
 
     block() = default;
     block(const block&) = delete;
@@ -136,6 +148,7 @@ public:
     // ---- statistics and running factors ----
     /// The tasks that fold `pass` into l.statistics.a_sum/g_sum; each reads the record and its views.
     [[nodiscard]] virtual std::vector<detail::task> statistic_tasks(record& l, statistic_pass<scalar> pass) const = 0;
+    /// Whether every entry of the step's statistics is finite.
     [[nodiscard]] virtual bool statistic_finite(const statistics& s) const = 0;
     /// Statistics ← factor · statistics (the rows weight of the average over ranks).
     virtual void scale_statistic(statistics& s, scalar factor) const = 0;
@@ -184,6 +197,7 @@ public:
     virtual void prepare_full(layer_data& l, const layer_description& d, const options& o) const = 0;
 
     // ---- preconditioning ----
+    /// The relative cost of preconditioning the layer's gradient (the task scheduler's weight).
     [[nodiscard]] virtual double precondition_cost(const layer_description& d) const = 0;
     /// l.scratch.gamma ← Γᵀ from the host's gradient views (l.scratch.weight_gradient, bias).
     virtual void load_gradient(record& l) const = 0;

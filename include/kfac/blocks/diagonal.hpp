@@ -20,8 +20,11 @@
 
 namespace kfac::blocks {
 
+/// An Embedding's block: a diagonal A, stored as its a_dim × 1 diagonal, beside a dense G (above).
 struct diagonal {
+    /// Whether a layer of description `d` is of this kind.
     static bool holds(const layer_description& d) { return d.kind == layer_kind::embedding; }
+    /// The storage of a layer of this kind, from its description alone.
     static block_layout layout(const layer_description& d) {
         block_layout b;
         b.name = "diagonal A beside a dense G";
@@ -34,6 +37,7 @@ struct diagonal {
         b.placement = {static_cast<std::int64_t>(std::ceil(std::sqrt(static_cast<double>(d.a_dim())))), d.g_dim()};
         return b;
     }
+    /// The kind's operations: a kfac::blocks::block on Backend under Method.
     template <class Backend, class Method>
     class ops;
 };
@@ -41,7 +45,9 @@ struct diagonal {
 template <class Backend, class Method>
 class diagonal::ops final : public kronecker::ops<Backend, Method> {
 public:
-    using base = kronecker::ops<Backend, Method>;
+    using base = kronecker::ops<Backend, Method>;  ///< the dense kind it specialises
+    ///@{
+    /// The base's types (kfac::blocks::block).
     using typename base::factor_data;
     using typename base::layer_data;
     using typename base::matrix;
@@ -49,7 +55,11 @@ public:
     using typename base::scalar;
     using typename base::state;
     using typename base::workspace;
+    ///@}
+    /// Whether Method computes eigendecompositions (else inverses).
     static constexpr bool eigen = base::eigen;
+    /// Whether Backend has diagonal factors (kfac/backend/diagonal_factors.hpp); check_backend()
+    /// refuses the layer without them.
     static constexpr bool supported = detail::backend_with_diagonal_factors<Backend>;
 
     block_layout layout(const layer_description& d) const override { return diagonal::layout(d); }

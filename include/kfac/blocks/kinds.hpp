@@ -14,12 +14,15 @@
 
 namespace kfac::blocks {
 
+/// A list of block kinds, as a type.
 template <class... Kinds>
 struct kind_list {};
 
 /// Every block kind; a layer is the first kind that holds() it.
 using block_kinds = kind_list<kronecker, diagonal, unit_wise>;
 
+/// visit_kind() among the kinds `Kind, Rest...`, in order.
+/// @throws kfac::error when none of them holds `d`.
 template <class Visit, class Kind, class... Rest>
 decltype(auto) visit_kind_among(const layer_description& d, Visit& visit, kind_list<Kind, Rest...>) {
     if (Kind::holds(d)) return visit.template operator()<Kind>();
@@ -31,7 +34,7 @@ decltype(auto) visit_kind_among(const layer_description& d, Visit& visit, kind_l
     }
 }
 
-/// visit.template operator()<Kind>() for the kind of `d`.
+/// `visit.template operator()<Kind>()` for the kind of `d`.
 template <class Visit>
 decltype(auto) visit_kind(const layer_description& d, Visit&& visit) {
     return visit_kind_among(d, visit, block_kinds{});

@@ -21,10 +21,14 @@
 
 namespace kfac::blocks {
 
+/// The block of every layer but an Embedding and a normalisation layer: dense running factors
+/// A and G, whose Kronecker product approximates the layer's curvature.
 struct kronecker {
+    /// Whether a layer of description `d` is of this kind.
     static bool holds(const layer_description& d) {
         return d.kind != layer_kind::embedding && !is_normalization(d.kind);
     }
+    /// The storage of a layer of this kind, from its description alone.
     static block_layout layout(const layer_description& d) {
         block_layout b;
         b.name = "dense Kronecker pair";
@@ -33,6 +37,7 @@ struct kronecker {
         b.placement = {d.a_dim(), d.g_dim()};
         return b;
     }
+    /// The kind's operations: a kfac::blocks::block on Backend under Method.
     template <class Backend, class Method>
     class ops;
 };
@@ -40,7 +45,9 @@ struct kronecker {
 template <class Backend, class Method>
 class kronecker::ops : public block<Backend, Method> {
 public:
-    using base = block<Backend, Method>;
+    using base = block<Backend, Method>;  ///< the interface it implements
+    ///@{
+    /// The base's types (kfac::blocks::block).
     using typename base::factor_data;
     using typename base::layer_data;
     using typename base::matrix;
@@ -49,6 +56,8 @@ public:
     using typename base::state;
     using typename base::statistics;
     using typename base::workspace;
+    ///@}
+    /// Whether Method computes eigendecompositions (else inverses).
     static constexpr bool eigen = under_eigendecomposition<Method>;
 
     block_layout layout(const layer_description& d) const override { return kronecker::layout(d); }

@@ -26,8 +26,11 @@
 
 namespace kfac::blocks {
 
+/// A normalisation layer's block: one k × k block per channel in A, G the identity (above).
 struct unit_wise {
+    /// Whether a layer of description `d` is of this kind.
     static bool holds(const layer_description& d) { return is_normalization(d.kind); }
+    /// The storage of a layer of this kind, from its description alone.
     static block_layout layout(const layer_description& d) {
         block_layout b;
         b.name = "unit-wise blocks";
@@ -39,6 +42,7 @@ struct unit_wise {
         b.placement = {static_cast<std::int64_t>(std::ceil(std::sqrt(static_cast<double>(b.a_rows * b.a_cols)))), 1};
         return b;
     }
+    /// The kind's operations: a kfac::blocks::block on Backend under Method.
     template <class Backend, class Method>
     class ops;
 };
@@ -46,7 +50,9 @@ struct unit_wise {
 template <class Backend, class Method>
 class unit_wise::ops final : public block<Backend, Method> {
 public:
-    using base = block<Backend, Method>;
+    using base = block<Backend, Method>;  ///< the interface it implements
+    ///@{
+    /// The base's types (kfac::blocks::block).
     using typename base::factor_data;
     using typename base::layer_data;
     using typename base::matrix;
@@ -55,7 +61,11 @@ public:
     using typename base::state;
     using typename base::statistics;
     using typename base::workspace;
+    ///@}
+    /// Whether Method computes eigendecompositions (else inverses).
     static constexpr bool eigen = under_eigendecomposition<Method>;
+    /// Whether Backend has unit-wise factors (kfac/backend/unit_wise_factors.hpp); check_backend()
+    /// refuses the layer without them.
     static constexpr bool supported = detail::backend_with_unit_wise_factors<Backend>;
 
     block_layout layout(const layer_description& d) const override { return unit_wise::layout(d); }

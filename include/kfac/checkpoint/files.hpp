@@ -109,7 +109,7 @@ inline const char* file_kind(std::filesystem::file_type t) {
 inline constexpr int temporary_name_attempts = 64;
 
 /// Writes `a` to `path` through a temporary file beside it and a rename: a reader sees the
-/// old file or the new one, never a torn one. The temporary file, `path`.tmp.<pid>.<n>, is
+/// old file or the new one, never a torn one. The temporary file, `path.tmp.<pid>.<n>`, is
 /// created exclusively (see file_detail::write_new_file), with the next n when a name is
 /// taken, and removed when the write or the rename fails.
 /// @throws kfac::error naming the path and the system's reason.

@@ -36,12 +36,14 @@
 
 namespace kfac::checkpoint {
 
+///@{
 /// Name in the `format` metadata entry, and the version this library writes and reads. A file
 /// of a newer version is refused; older versions stay readable. Version 1 checksummed the
 /// data alone, so a flipped bit in the metadata (the step count, a counter, the damping) went
 /// unseen; version 2 checksums the whole archive and says so in `checksum_scope`.
 inline constexpr const char* format_name = "kfac.preconditioner";
 inline constexpr int format_version = 2;
+///@}
 
 /// The value of `checksum_scope` in files of version 2: what the checksum digests.
 inline constexpr const char* checksum_scope_all = "metadata+data";
@@ -72,28 +74,29 @@ struct load_options {
 
 /// Metadata keys.
 namespace key {
-inline constexpr const char* format = "format";
-inline constexpr const char* version = "format_version";
-inline constexpr const char* library = "library_version";
-inline constexpr const char* step = "step";
-inline constexpr const char* checksum = "checksum";
+inline constexpr const char* format = "format";            ///< format_name
+inline constexpr const char* version = "format_version";   ///< format_version
+inline constexpr const char* library = "library_version";  ///< the version of the kfac that wrote it
+inline constexpr const char* step = "step";                ///< completed step() calls
+inline constexpr const char* checksum = "checksum";        ///< digest64 in hex (expected_checksum())
 inline constexpr const char* checksum_scope = "checksum_scope";  ///< from format version 2
-inline constexpr const char* scalar = "scalar";
-inline constexpr const char* method = "compute_method";
+inline constexpr const char* scalar = "scalar";          ///< "float" or "double": the tensors' type
+inline constexpr const char* method = "compute_method";  ///< the compute method's name
 inline constexpr const char* second_order = "second_order";  ///< "included", "omitted" or "none yet"
 inline constexpr const char* damping = "second_order_damping";  ///< γ of the last inverse update
 inline constexpr const char* layers = "layers";              ///< how many
-inline constexpr const char* world_size = "saved_world_size";
-inline constexpr const char* strategy = "saved_strategy";
-inline const std::string layer_prefix = "layer.";
+inline constexpr const char* world_size = "saved_world_size";  ///< of the run that saved (information only)
+inline constexpr const char* strategy = "saved_strategy";       ///< its distribution (information only)
+inline const std::string layer_prefix = "layer.";  ///< + a layer's name: its signature (layer_signature())
 inline const std::string damping_prefix = "damping.";  ///< reserved: no file holds per-layer damping
-inline const std::string option_prefix = "option.";
-inline const std::string health_prefix = "health.";
-/// `statistics_weight.<layer>`: W of the layer's running factors (kfac/detail/layer_record.hpp),
+inline const std::string option_prefix = "option.";  ///< + an option's name: its value (saved_options.hpp)
+inline const std::string health_prefix = "health.";  ///< + a counter's name: its count (kfac/health.hpp)
+/// Prefix of a layer's W. `statistics_weight.<layer>`: W of the layer's running factors (kfac/detail/layer_record.hpp),
 /// in exact decimal; absent in files written before it was recorded (W unknown).
 inline const std::string statistics_weight_prefix = "statistics_weight.";
 }  // namespace key
 
+/// This library's version, "major.minor.patch", as checkpoints record it.
 [[nodiscard]] inline std::string library_version() {
     return std::to_string(KFAC_VERSION_MAJOR) + "." + std::to_string(KFAC_VERSION_MINOR) + "." +
            std::to_string(KFAC_VERSION_PATCH);
@@ -124,10 +127,13 @@ inline const std::string statistics_weight_prefix = "statistics_weight.";
 /// The container-level facts of a checkpoint, checked: ours, not newer than this library,
 /// intact (checksum), with a valid step count, second-order state and damping.
 struct header {
-    int version = 0;
-    std::int64_t step = 0;
+    int version = 0;        ///< the format version
+    std::int64_t step = 0;  ///< completed step() calls
     double damping = 0.0;  ///< γ of the second-order data (0 before the first step)
+    ///@{
+    /// The metadata entries key::scalar, key::method, key::second_order and key::library.
     std::string scalar, method, second_order, library;
+    ///@}
 };
 
 /// Whether `a` is checksummed whole (format version 2 on). A file that carries the scope

@@ -44,26 +44,42 @@ namespace kfac::checkpoint::json_text {
     return out + '"';
 }
 
+struct object_member;
+
+/// A parsed JSON value: its kind, and the member of that kind's value.
 struct value {
+    /// JSON's kinds of value; `integer` is a number without fraction or exponent.
     enum class kind { null, boolean, integer, number, string, array, object };
-    kind type = kind::null;
-    bool flag = false;
+    kind type = kind::null;  ///< which kind it is
+    bool flag = false;       ///< for booleans
     std::int64_t integer = 0;  ///< for integers (numbers without fraction or exponent)
     double number = 0.0;       ///< for every number
-    std::string text;
-    std::vector<value> array;
-    std::vector<std::pair<std::string, value>> object;  ///< in the order written
+    std::string text;          ///< for strings, unescaped
+    std::vector<value> array;  ///< for arrays, in order
+    /// For objects, the members in the order written. (A struct of its own, not a std::pair:
+    /// a pair of this still incomplete type is an error for Clang with libstdc++.)
+    std::vector<object_member> object;
 
-    [[nodiscard]] bool is_object() const { return type == kind::object; }
-    [[nodiscard]] bool is_array() const { return type == kind::array; }
-    [[nodiscard]] bool is_string() const { return type == kind::string; }
-    [[nodiscard]] bool is_integer() const { return type == kind::integer; }
-    [[nodiscard]] const value* member(std::string_view name) const {
-        for (const auto& [key, v] : object)
-            if (key == name) return &v;
-        return nullptr;
-    }
+    [[nodiscard]] bool is_object() const { return type == kind::object; }    ///< whether it is an object
+    [[nodiscard]] bool is_array() const { return type == kind::array; }      ///< whether it is an array
+    [[nodiscard]] bool is_string() const { return type == kind::string; }    ///< whether it is a string
+    [[nodiscard]] bool is_integer() const { return type == kind::integer; }  ///< whether it is an integer
+    /// An object's member of that name, or nullptr when it has none (or is no object).
+    [[nodiscard]] const value* member(std::string_view name) const;
 };
+
+/// A member of a JSON object: its name (`first`) and its value (`second`), as in a std::pair.
+struct object_member {
+    std::string first;  ///< the member's name
+    value second;       ///< the member's value
+};
+
+inline const value* value::member(std::string_view name) const {
+    // Not a structured binding: nvcc's front end takes &v of one for a local's address.
+    for (const auto& m : object)
+        if (m.first == name) return &m.second;
+    return nullptr;
+}
 
 namespace detail {
 
@@ -116,7 +132,7 @@ private:
                 std::string key = parse_string();
                 if (!names.insert(key).second) fail("the member name " + quote(key) + " appears twice in one object");
                 expect(':');
-                v.object.emplace_back(std::move(key), parse_value(depth + 1));
+                v.object.push_back(object_member{std::move(key), parse_value(depth + 1)});
                 if (peek() == ',') { ++i_; continue; }
                 expect('}');
                 return v;

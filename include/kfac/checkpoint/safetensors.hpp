@@ -41,6 +41,7 @@ static_assert(std::endian::native == std::endian::little,
 /// options.factor_storage.
 enum class dtype { f32, f64, i64, bf16, f16 };
 
+/// safetensors' name of the type: "F32", "F64", "I64", "BF16" or "F16".
 [[nodiscard]] inline const char* dtype_name(dtype t) noexcept {
     switch (t) {
         case dtype::f32: return "F32";
@@ -52,10 +53,12 @@ enum class dtype { f32, f64, i64, bf16, f16 };
     return "?";
 }
 
+/// Bytes of one element.
 [[nodiscard]] inline std::size_t dtype_size(dtype t) noexcept {
     return t == dtype::f32 ? 4 : t == dtype::bf16 || t == dtype::f16 ? 2 : 8;
 }
 
+/// The type of a safetensors name (dtype_name()'s inverse); std::nullopt for any other name.
 [[nodiscard]] inline std::optional<dtype> parse_dtype(std::string_view name) {
     if (name == "F32") return dtype::f32;
     if (name == "F64") return dtype::f64;
@@ -71,6 +74,7 @@ enum class dtype { f32, f64, i64, bf16, f16 };
                                                                                                     : precision::fp32;
 }
 
+/// The dtype of float, double or std::int64_t (any other T does not compile).
 template <class T>
 constexpr dtype dtype_of() {
     if constexpr (std::is_same_v<T, float>) return dtype::f32;
@@ -83,14 +87,15 @@ constexpr dtype dtype_of() {
 
 /// One named tensor: its type, its shape (C order) and its bytes.
 struct tensor {
-    std::string name;
-    dtype type = dtype::f32;
-    std::vector<std::int64_t> shape;
-    std::vector<std::byte> bytes;
+    std::string name;                 ///< unique within its archive
+    dtype type = dtype::f32;          ///< the elements' type
+    std::vector<std::int64_t> shape;  ///< dimensions, outermost first
+    std::vector<std::byte> bytes;     ///< the elements, C order, little-endian
     /// An F16 tensor's values are its elements times 2^exponent (a factor stored at a power-of-
     /// two scale, kfac/detail/factor_storage.hpp; metadata "fp16_exponent.<name>"); 0 otherwise.
     int exponent = 0;
 
+    /// The number of elements: the product of the shape (1 for a scalar's empty shape).
     [[nodiscard]] std::int64_t elements() const {
         std::int64_t n = 1;
         for (auto e : shape) n *= e;
@@ -132,9 +137,10 @@ struct tensor {
 
 /// A whole file: the tensors in the order they are stored, and the metadata.
 struct archive {
-    std::vector<tensor> tensors;
-    std::map<std::string, std::string> metadata;
+    std::vector<tensor> tensors;                  ///< in storage order
+    std::map<std::string, std::string> metadata;  ///< the header's `__metadata__`: key → text
 
+    /// The tensor of that name, or nullptr when there is none.
     [[nodiscard]] const tensor* find(std::string_view name) const {
         for (const auto& t : tensors)
             if (t.name == name) return &t;
@@ -147,6 +153,7 @@ struct archive {
 /// length, so moving a byte from one run to the next changes the digest.
 class digest64 {
 public:
+    /// Digests the run of `n` bytes at `p`.
     void add(const std::byte* p, std::size_t n) {
         std::size_t i = 0;
         for (; i + 8 <= n; i += 8) {
@@ -158,7 +165,9 @@ public:
         if (i < n) std::memcpy(&tail, p + i, n - i);
         mix(tail ^ (static_cast<std::uint64_t>(n) << 56));
     }
+    /// Digests the bytes of `text`, as one run.
     void add(std::string_view text) { add(reinterpret_cast<const std::byte*>(text.data()), text.size()); }
+    /// The digest of the runs added so far.
     [[nodiscard]] std::uint64_t value() const {
         std::uint64_t h = h_;
         h ^= h >> 33;

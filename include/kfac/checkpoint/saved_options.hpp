@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file saved_options.hpp
+/// The checks of the options a checkpoint records.
 /// The options a checkpoint records (metadata `option.<name>`, as engine::configuration() names
 /// them and save() writes them), checked by the rules the constructor applies to kfac::options
 /// (validate(), kfac/options.hpp). A value no constructor accepts (damping = nan, factor_decay
@@ -23,6 +24,7 @@
 
 #include "kfac/config.hpp"
 #include "kfac/options.hpp"
+#include "kfac/precision.hpp"
 
 namespace kfac::checkpoint {
 
@@ -116,12 +118,20 @@ namespace saved_option_detail {
         name == "symmetry_aware" || name == "fp64_decompositions" || name == "overlap_factor_allreduce" ||
         name == "fp64_retry")
         return flag();
-    if (name == "conv_patches") return one_of(text, {"reference", "dilated"});
-    if (name == "statistics") return one_of(text, {"reference", "per_example"});
-    if (name == "averaging") return one_of(text, {"reference", "bias_corrected"});
-    if (name == "damping_mode") return one_of(text, {"reference", "factored"});
-    if (name == "strategy") return one_of(text, {"kaisa", "dp_kfac"});
-    if (name == "factor_storage") return one_of(text, {"bf16", "fp16"});
+    // The enumerated options: the names configuration() records (detail::option_value_name).
+    using detail::option_value_name;
+    if (name == "conv_patches")
+        return one_of(text, {option_value_name(conv_patch_mode::reference), option_value_name(conv_patch_mode::dilated)});
+    if (name == "statistics")
+        return one_of(text, {option_value_name(statistic_scale::reference), option_value_name(statistic_scale::per_example)});
+    if (name == "averaging")
+        return one_of(text,
+                      {option_value_name(factor_averaging::reference), option_value_name(factor_averaging::bias_corrected)});
+    if (name == "damping_mode")
+        return one_of(text, {option_value_name(damping_form::reference), option_value_name(damping_form::factored)});
+    if (name == "strategy")
+        return one_of(text, {option_value_name(distribution::kaisa), option_value_name(distribution::dp_kfac)});
+    if (name == "factor_storage") return one_of(text, {precision_name(precision::bf16), precision_name(precision::fp16)});
     return {};
 }
 

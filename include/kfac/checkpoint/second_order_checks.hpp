@@ -47,8 +47,11 @@ struct loaded_second_order {
     /// The method's tensor of that name (for_each_tensor's, without the layer: "A.eigenvectors"),
     /// or nullptr when the file holds none (an empty one, or one the options leave out).
     std::function<const tensor*(const char* name)> tensor_named;
+    ///@{
+    /// How the layer's A and G factors are stored (its block's layout).
     factor_structure a_structure = factor_structure::dense;
     factor_structure g_structure = factor_structure::dense;
+    ///@}
     double damping = 0.0;           ///< γ the data was computed with (second_order_damping)
     bool relative_damping = false;  ///< the file's options.relative_damping: γ scaled per layer
     bool factored_damping = false;  ///< the file's options.damping_mode: factored
@@ -63,8 +66,9 @@ struct loaded_second_order {
 
 /// A tensor found wrong: its name (the method's) and what is wrong with it.
 struct second_order_fault {
-    std::string tensor;
-    std::string what;
+    std::string tensor;  ///< the tensor's name, the method's ("A.eigenvectors")
+    std::string what;    ///< what is wrong with it; empty when nothing is
+    /// Whether a fault was found.
     [[nodiscard]] explicit operator bool() const noexcept { return !what.empty(); }
 };
 

@@ -32,7 +32,7 @@ struct state_dict {
     double damping = 0.0;         ///< γ the second-order data was computed with
     std::int64_t world_size = 0;  ///< of the run that saved it (information only)
     std::string strategy;         ///< its distribution strategy (information only)
-    health_counters health{};
+    health_counters health{};     ///< the counters at save()
     std::map<std::string, std::string> layers;   ///< name → signature (layer_signature())
     std::map<std::string, std::string> options;  ///< name → exact decimal text, or "schedule"
     /// Layer name → W, the weight of the statistics in its running factors (layer_state);

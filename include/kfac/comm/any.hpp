@@ -35,18 +35,25 @@
 
 namespace kfac::comm {
 
+/// A CommPolicy holding any other (above): one virtual call per collective. Move-only.
 class any {
 public:
     /// A group of the held policy's, shared by copies.
     struct group {
-        std::shared_ptr<const void> held;
-        int size = 1;
+        std::shared_ptr<const void> held;  ///< the held policy's group
+        int size = 1;                      ///< its number of ranks
     };
 
+    /// Holds `policy`, any CommPolicy (kfac/comm/serial.hpp).
     template <class Policy>
         requires(!std::is_same_v<std::remove_cvref_t<Policy>, any>)
     explicit any(Policy policy) : held_(std::make_unique<model<Policy>>(std::move(policy))) {}
 
+    ///@{
+    /// The CommPolicy member of that name (kfac/comm/serial.hpp), forwarded to the held policy;
+    /// payloads are float or double. phase(), progress() and broadcast_host() fall back as
+    /// kfac::comm::announce_phase(), progress() and broadcast_host() do, and
+    /// reads_device_memory() is false, where the held policy lacks them.
     [[nodiscard]] int rank() const { return held_->rank(); }
     [[nodiscard]] int size() const { return held_->size(); }
     [[nodiscard]] group world() const { return held_->world(); }
@@ -89,6 +96,7 @@ public:
     void phase(const char* name) noexcept { held_->phase(name); }
     void progress() { held_->progress(); }
     [[nodiscard]] bool reads_device_memory() const { return held_->reads_device_memory(); }
+    ///@}
 
     /// The held policy, when it is a `Policy` (else null).
     template <class Policy>

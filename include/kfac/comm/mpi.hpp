@@ -72,8 +72,8 @@ class mpi {
 public:
     /// A group of ranks: a communicator owned by the policy.
     struct group {
-        MPI_Comm comm = MPI_COMM_NULL;
-        int size = 1;
+        MPI_Comm comm = MPI_COMM_NULL;  ///< the group's communicator
+        int size = 1;                   ///< its number of ranks
     };
 
     /// @param comm the host's communicator; MPI must be initialised.
@@ -91,10 +91,10 @@ public:
         state_->world.size = state_->size;
     }
 
-    [[nodiscard]] int rank() const noexcept { return state_->rank; }
-    [[nodiscard]] int size() const noexcept { return state_->size; }
-    [[nodiscard]] group world() const noexcept { return state_->world; }
-    [[nodiscard]] int group_size(const group& g) const noexcept { return g.size; }
+    [[nodiscard]] int rank() const noexcept { return state_->rank; }                ///< this rank in the communicator
+    [[nodiscard]] int size() const noexcept { return state_->size; }                ///< the communicator's size
+    [[nodiscard]] group world() const noexcept { return state_->world; }            ///< the group of all ranks
+    [[nodiscard]] int group_size(const group& g) const noexcept { return g.size; }  ///< the ranks of `g`
 
     /// Collective over the world: ranks with the same color form a group, ordered by rank.
     group split(int color) {
@@ -107,6 +107,9 @@ public:
         return g;
     }
 
+    /// Sums each item over the ranks of `g`, in buckets of at most `cap_bytes` (0: one per item),
+    /// symmetric items as their lower triangle when `pack_symmetric`. Blocking.
+    /// @throws kfac::error when an MPI call fails.
     template <class T>
     void allreduce_sum(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes,
                        bool pack_symmetric, const group& g) {
@@ -158,6 +161,7 @@ public:
         return std::make_unique<posted<T>>(*state_, g, cap_bytes, pack_symmetric);
     }
 
+    /// Starts a broadcast of `count` values from group rank `root` (MPI_Ibcast); complete at wait().
     template <class T>
     void broadcast(T* data, std::size_t count, int root, const group& g) {
         if (g.size <= 1 || count == 0) return;
@@ -180,6 +184,7 @@ public:
         }
     }
 
+    /// Completes the broadcasts started since the last wait().
     void wait() {
         if (state_->pending.empty()) return;
         auto requests = std::move(state_->pending);
@@ -211,6 +216,7 @@ public:
         return "rank " + std::to_string(first) + ": " + message;
     }
 
+    /// Every rank's `value`, in rank order.
     std::vector<std::uint64_t> allgather(std::uint64_t value) {
         std::vector<std::uint64_t> out(static_cast<std::size_t>(state_->size));
         MPI_Request r = MPI_REQUEST_NULL;
@@ -243,6 +249,7 @@ public:
         return out;
     }
 
+    /// values ← their element-wise maximum over all ranks.
     void allreduce_max(std::vector<std::int64_t>& values) {
         if (state_->size == 1 || values.empty()) return;
         MPI_Request r = MPI_REQUEST_NULL;
@@ -253,6 +260,7 @@ public:
         ++state_->counters.control_calls;
     }
 
+    /// What this rank's policy has sent and waited for so far.
     [[nodiscard]] const comm_counters& counters() const noexcept { return state_->counters; }
 
 private:

@@ -8,8 +8,10 @@
 /// (kfac/comm/buckets.hpp), so the sums are allreduce_sum's, bit for bit.
 ///
 /// A policy posts early by having
+/// ```
 ///   template <class T> std::unique_ptr<posted_allreduce<T>> start_allreduce(std::size_t cap_bytes,
 ///                                                                           bool pack_symmetric, const group&);
+/// ```
 /// (kfac::comm::mpi); for any other, start_allreduce() below keeps the items and sends them all
 /// at complete().
 
@@ -51,6 +53,7 @@ public:
 template <class CommPolicy, class T>
 class collected_allreduce final : public posted_allreduce<T> {
 public:
+    /// An allreduce over group `g` of `c`, with plan_buckets's `cap_bytes` and `pack_symmetric`.
     collected_allreduce(CommPolicy& c, std::size_t cap_bytes, bool pack_symmetric, typename CommPolicy::group g)
         : comm_(c), cap_bytes_(cap_bytes), pack_symmetric_(pack_symmetric), group_(std::move(g)) {}
     void add(const allreduce_item<T>& item) override { items_.push_back(item); }

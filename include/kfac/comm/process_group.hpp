@@ -125,8 +125,8 @@ class process_group {
 public:
     /// A group of ranks: its process group (none for a group of one rank).
     struct group {
-        c10::intrusive_ptr<c10d_collectives> pg;
-        int size = 1;
+        c10::intrusive_ptr<c10d_collectives> pg;  ///< null for a group of one rank
+        int size = 1;                             ///< its number of ranks
     };
 
     /// @param world the caller's process group over every rank
@@ -197,10 +197,10 @@ public:
         return state_->device_payloads && !state_->device_payloads->device().is_cpu();
     }
 
-    [[nodiscard]] int rank() const noexcept { return state_->rank; }
-    [[nodiscard]] int size() const noexcept { return state_->world.size; }
-    [[nodiscard]] group world() const noexcept { return state_->world; }
-    [[nodiscard]] int group_size(const group& g) const noexcept { return g.size; }
+    [[nodiscard]] int rank() const noexcept { return state_->rank; }                ///< this rank in the world
+    [[nodiscard]] int size() const noexcept { return state_->world.size; }          ///< the world's size
+    [[nodiscard]] group world() const noexcept { return state_->world; }            ///< the group of all ranks
+    [[nodiscard]] int group_size(const group& g) const noexcept { return g.size; }  ///< the ranks of `g`
 
     /// Names the phase of the step that the next data collectives belong to, for errors.
     void phase(const char* name) noexcept { state_->phase = name; }
@@ -236,6 +236,9 @@ public:
         }
     }
 
+    /// Sums each item over the ranks of `g`, in buckets of at most `cap_bytes` (0: one per item),
+    /// symmetric items as their lower triangle when `pack_symmetric`. Blocking.
+    /// @throws kfac::error when the collective fails or outlasts the timeout.
     template <class T>
     void allreduce_sum(const std::vector<allreduce_item<T>>& items, std::size_t cap_bytes, bool pack_symmetric,
                        const group& g) {
@@ -268,6 +271,7 @@ public:
         });
     }
 
+    /// Starts a broadcast of `count` values from group rank `root`; complete at wait().
     template <class T>
     void broadcast(T* data, std::size_t count, int root, const group& g) {
         if (g.size <= 1 || count == 0) return;
@@ -285,6 +289,8 @@ public:
         start_broadcast(std::move(on_device), count * sizeof(T), root, g);
     }
 
+    /// Completes the broadcasts started since the last wait().
+    /// @throws kfac::error when one fails or outlasts the timeout.
     void wait() {
         if (state_->pending.empty()) return;
         auto works = std::move(state_->pending);
@@ -312,19 +318,23 @@ public:
         return "rank " + std::to_string(first) + ": " + message;
     }
 
+    /// Every rank's `value`, in rank order.
     std::vector<std::uint64_t> allgather(std::uint64_t value) {
         return allgather(value, "the allgather of configuration digests");
     }
 
+    /// Rank `root`'s `text`, on every rank (the others' argument is ignored).
     std::string broadcast_text(const std::string& text, int root) {
         return broadcast_text(text, root, "the broadcast of a configuration or checkpoint");
     }
 
+    /// values ← their element-wise maximum over all ranks.
     void allreduce_max(std::vector<std::int64_t>& values) {
         if (size() == 1 || values.empty()) return;
         control_reduce(values.data(), values.size(), ::c10d::ReduceOp::MAX, "the allreduce of a vote");
     }
 
+    /// What this rank's policy has sent and waited for so far.
     [[nodiscard]] const comm_counters& counters() const noexcept { return state_->counters; }
 
 private:

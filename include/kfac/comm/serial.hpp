@@ -57,11 +57,11 @@ namespace kfac {
 /// What a communication policy did. Bytes are payload bytes of the calls this rank took
 /// part in; control traffic (agreement, digests) is counted apart.
 struct comm_counters {
-    std::int64_t allreduce_calls = 0;
-    std::int64_t allreduce_bytes = 0;
-    std::int64_t broadcast_calls = 0;
-    std::int64_t broadcast_bytes = 0;
-    std::int64_t control_calls = 0;
+    std::int64_t allreduce_calls = 0;  ///< data allreduces started: one per bucket
+    std::int64_t allreduce_bytes = 0;  ///< their payload bytes
+    std::int64_t broadcast_calls = 0;  ///< data broadcasts started
+    std::int64_t broadcast_bytes = 0;  ///< their payload bytes
+    std::int64_t control_calls = 0;    ///< control collectives: split, agree, allgather, ...
     /// Seconds this rank spent in wait() for its broadcasts to complete: what was not hidden
     /// behind other work (options.overlap_communication; bench_kfac_mpi --overlap).
     double broadcast_wait_seconds = 0.0;
@@ -74,10 +74,10 @@ struct comm_counters {
 /// column-major matrix when `symmetric` (then count = dim²).
 template <class T>
 struct allreduce_item {
-    T* data = nullptr;
-    std::size_t count = 0;
-    bool symmetric = false;
-    std::int64_t dim = 0;
+    T* data = nullptr;       ///< the values, summed in place
+    std::size_t count = 0;   ///< how many
+    bool symmetric = false;  ///< whether it is a symmetric matrix (its lower triangle may travel alone)
+    std::int64_t dim = 0;    ///< its dimension when symmetric
 };
 
 namespace comm {
@@ -123,22 +123,26 @@ void broadcast_host(CommPolicy& c, T* data, std::size_t count, int root, const t
 /// One process: every collective is the identity and nothing is sent.
 class serial {
 public:
-    struct group {};
+    struct group {};  ///< the one group there is: this process
 
-    [[nodiscard]] int rank() const noexcept { return 0; }
-    [[nodiscard]] int size() const noexcept { return 1; }
-    [[nodiscard]] group world() const noexcept { return {}; }
-    group split(int) noexcept { return {}; }
-    [[nodiscard]] int group_size(const group&) const noexcept { return 1; }
+    [[nodiscard]] int rank() const noexcept { return 0; }                     ///< this process's rank: 0
+    [[nodiscard]] int size() const noexcept { return 1; }                     ///< the number of ranks: 1
+    [[nodiscard]] group world() const noexcept { return {}; }                 ///< the group of this process
+    group split(int) noexcept { return {}; }                                  ///< the group of this process
+    [[nodiscard]] int group_size(const group&) const noexcept { return 1; }  ///< the group's ranks: 1
+    /// Nothing to do: each buffer is its own sum.
     template <class T>
     void allreduce_sum(const std::vector<allreduce_item<T>>&, std::size_t, bool, const group&) noexcept {}
+    /// Nothing to do: the root's values are already here.
     template <class T>
     void broadcast(T*, std::size_t, int, const group&) noexcept {}
-    void wait() noexcept {}
+    void wait() noexcept {}  ///< nothing to wait for
+    /// `local_error`: this process's verdict is everyone's.
     std::optional<std::string> agree(const std::optional<std::string>& local_error) { return local_error; }
-    std::vector<std::uint64_t> allgather(std::uint64_t value) { return {value}; }
-    std::string broadcast_text(const std::string& text, int) { return text; }
-    void allreduce_max(std::vector<std::int64_t>&) noexcept {}
+    std::vector<std::uint64_t> allgather(std::uint64_t value) { return {value}; }  ///< {value}
+    std::string broadcast_text(const std::string& text, int) { return text; }     ///< `text`
+    void allreduce_max(std::vector<std::int64_t>&) noexcept {}                    ///< nothing to do
+    /// All zero: nothing is ever sent.
     [[nodiscard]] const comm_counters& counters() const noexcept { return counters_; }
 
 private:

@@ -49,6 +49,7 @@ namespace compute {
 /// outer product precomputed, the inverse update's), which is what Q_c diag(1/(λ_c + γ)) Q_cᵀ
 /// equals.
 struct eigendecomposition {
+    /// The method's name, as checkpoints record it (compute_method) and the ranks agree on.
     static constexpr const char* name = "eigendecomposition";
 };
 

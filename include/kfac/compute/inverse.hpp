@@ -23,6 +23,7 @@ namespace compute {
 /// layer's unit-wise blocks are inverted per channel, (F_c + γI)⁻¹ in closed form, and its G,
 /// the identity that is not a factor of the layer, is not damped: P_c = (F_c + γI)⁻¹ Γ_c.
 struct inverse {
+    /// The method's name, as checkpoints record it (compute_method) and the ranks agree on.
     static constexpr const char* name = "inverse";
 };
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 /// @file call_guard.hpp
-/// One call at a time on a preconditioner (README, "Threads"). step(), accumulate(), save(),
+/// One call at a time on a preconditioner (docs/k-fac.md, "Threads"). step(), accumulate(), save(),
 /// load() and registration change the factors, the second-order data and the step's
 /// statistics as they go; a second such call on the same object while one is in progress
 /// (from another thread) would race on them: two concurrent step() calls freed the same

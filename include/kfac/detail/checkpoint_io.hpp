@@ -9,7 +9,6 @@
 /// engine through its public members; the engine sets what it returns
 /// (kfac/detail/engine_checkpoint.hpp), only when every rank succeeded.
 
-#include <charconv>
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
@@ -272,7 +271,7 @@ struct checkpoint_io {
         for (const auto& [option, saved] : h.options) {
             const std::string implicit = checkpoint::value_before_option_existed(option);
             if (!checkpoint::shapes_the_numbers(option) || implicit.empty() || same_option_value(saved, implicit)) continue;
-            if (std::any_of(mine.begin(), mine.end(), [&](const auto& m) { return m.first == option; })) continue;
+            if (std::any_of(mine.begin(), mine.end(), [&, &name = option](const auto& m) { return m.first == name; })) continue;
             throw error(where + "options." + option + " was " + saved + " when it was saved and is " + implicit +
                         " now; a resume is exact only with the same options. Set it as saved, or load with "
                         "load_options{.allow_changed_options = true} to continue with the new value");
@@ -284,12 +283,8 @@ struct checkpoint_io {
     /// use), so they are compared as numbers where both are numbers.
     static bool same_option_value(const std::string& saved, const std::string& now) {
         if (saved == now) return true;
-        auto number = [](const std::string& text, double& v) {
-            const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-            return ec == std::errc() && end == text.data() + text.size();
-        };
-        double x = 0.0, y = 0.0;
-        return number(saved, x) && number(now, y) && x == y;
+        const auto x = checkpoint::saved_option_detail::number(saved), y = checkpoint::saved_option_detail::number(now);
+        return x && y && *x == *y;
     }
 
     static std::string layer_list(const std::map<std::string, std::string>& layers) {

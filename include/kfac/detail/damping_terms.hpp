@@ -3,7 +3,7 @@
 /// @file damping_terms.hpp
 /// Where a layer's damping goes: added to each factor's eigenvalues (or diagonal, before an
 /// inverse) and to the product of the eigenvalues, per options.damping_mode and
-/// options.relative_damping (README, "Curvature modes"). One formula serves both compute
+/// options.relative_damping (docs/curvature-modes.md). One formula serves both compute
 /// methods: the preconditioner inverts, in each eigendirection (i, j) of A ⊗ G,
 ///   (λ_A,i + a)(λ_G,j + g) + product.
 /// The reference damping is {0, 0, γ} under the eigen method (1/(λ_A λ_G + γ), kfac-pytorch's)

@@ -110,12 +110,12 @@ std::vector<config_item> engine<Backend, CommPolicy, ComputeMethod>::configurati
     items.push_back({"options.compute_eigenvalue_outer_product", flag(options_.compute_eigenvalue_outer_product)});
     items.push_back({"options.eigenbasis_reuse_tolerance", exact_number_text(options_.eigenbasis_reuse_tolerance)});
     items.push_back(
-        {"options.conv_patches", options_.conv_patches == conv_patch_mode::reference ? "reference" : "dilated"});
+        {"options.conv_patches", option_value_name(options_.conv_patches)});
     items.push_back({"options.statistics", option_value_name(options_.statistics)});
     items.push_back({"options.averaging", option_value_name(options_.averaging)});
     items.push_back({"options.damping_mode", option_value_name(options_.damping_mode)});
     items.push_back({"options.relative_damping", flag(options_.relative_damping)});
-    items.push_back({"options.strategy", options_.strategy == distribution::kaisa ? "kaisa" : "dp_kfac"});
+    items.push_back({"options.strategy", option_value_name(options_.strategy)});
     items.push_back({"options.grad_worker_fraction", exact_number_text(options_.grad_worker_fraction)});
     items.push_back({"options.colocate_factors", flag(options_.colocate_factors)});
     items.push_back({"options.allreduce_bucket_cap_mb", exact_number_text(options_.allreduce_bucket_cap_mb)});

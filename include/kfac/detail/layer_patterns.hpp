@@ -16,18 +16,21 @@
 namespace kfac::detail {
 
 /// A list of ECMAScript regular expressions, each matched anywhere in a string
-/// (std::regex_search, case-sensitive).
-class layer_patterns {
+/// (std::regex_search, case-sensitive). A template only so that std::regex's code is
+/// instantiated where a filter is built or matched (with the engine), not in every translation
+/// unit that includes this header: a program linking kfac::engines then compiles none of it.
+template <class Regex = std::regex>
+class basic_layer_patterns {
 public:
-    layer_patterns() = default;
+    basic_layer_patterns() = default;
 
     /// Compiles `patterns`, the value of options.<option>.
     /// @throws kfac::error naming the option and the pattern that is not a regular expression.
-    layer_patterns(const char* option, const std::vector<std::string>& patterns) {
+    basic_layer_patterns(const char* option, const std::vector<std::string>& patterns) {
         compiled_.reserve(patterns.size());
         for (const auto& pattern : patterns) {
             try {
-                compiled_.emplace_back(pattern, std::regex::ECMAScript);
+                compiled_.emplace_back(pattern, Regex::ECMAScript);
             } catch (const std::regex_error& e) {
                 throw error(std::string("options.") + option + ": '" + pattern +
                             "' is not a valid ECMAScript regular expression (" + e.what() + ")");
@@ -54,20 +57,25 @@ public:
     }
 
 private:
-    std::vector<std::regex> compiled_;
+    std::vector<Regex> compiled_;
 };
+
+/// The filters the preconditioner and the LibTorch registration build.
+using layer_patterns = basic_layer_patterns<>;
 
 /// options.skip_layers compiled: match_layer(name, kind) says whether a layer is left out.
 /// @throws kfac::error if a pattern is not a regular expression.
-[[nodiscard]] inline layer_patterns skip_filter(const options& opts) {
-    return layer_patterns("skip_layers", opts.skip_layers);
+template <class Regex = std::regex>
+[[nodiscard]] basic_layer_patterns<Regex> skip_filter(const options& opts) {
+    return basic_layer_patterns<Regex>("skip_layers", opts.skip_layers);
 }
 
 /// options.reduce_layers compiled: match_name(name) says whether a layer's weight-sharing
 /// dimension is reduced.
 /// @throws kfac::error if a pattern is not a regular expression.
-[[nodiscard]] inline layer_patterns reduce_filter(const options& opts) {
-    return layer_patterns("reduce_layers", opts.reduce_layers);
+template <class Regex = std::regex>
+[[nodiscard]] basic_layer_patterns<Regex> reduce_filter(const options& opts) {
+    return basic_layer_patterns<Regex>("reduce_layers", opts.reduce_layers);
 }
 
 }  // namespace kfac::detail

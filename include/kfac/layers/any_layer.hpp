@@ -28,6 +28,7 @@
 
 namespace kfac {
 
+/// A layer of any adapted type with scalar type Scalar, behind one type (above).
 template <class Scalar>
 class any_layer {
 public:
@@ -35,7 +36,9 @@ public:
     template <class Layer>
     explicit any_layer(Layer& layer) : binding_(make(layer)) {}
 
+    /// The wrapped layer's description.
     [[nodiscard]] const layer_description& description() const noexcept { return binding_.description; }
+    /// How the preconditioner reaches the wrapped layer (kfac/detail/layer_binding.hpp).
     [[nodiscard]] const detail::layer_binding& binding() const noexcept { return binding_; }
 
 private:
@@ -64,6 +67,9 @@ layer_binding bind_layer(any_layer<Scalar>& layer) {
 /// any_layer through its traits; the preconditioner uses the wrapped layer's binding itself).
 template <class Scalar>
 struct layer_traits<any_layer<Scalar>> {
+    ///@{
+    /// The layer_traits members (kfac/layers/layer_traits.hpp), each forwarded to the wrapped
+    /// layer's (end_pass() does nothing when it has none).
     using scalar_type = Scalar;
     using layer = any_layer<Scalar>;
     static layer_description describe(const layer& l) { return l.description(); }
@@ -78,6 +84,7 @@ struct layer_traits<any_layer<Scalar>> {
     static void end_pass(layer& l) {
         if (l.binding().end_pass) l.binding().end_pass(l.binding().layer);
     }
+    ///@}
 };
 
 }  // namespace kfac

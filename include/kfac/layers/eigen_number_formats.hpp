@@ -10,13 +10,15 @@
 
 namespace kfac {
 
+/// Eigen::bfloat16 is bf16.
 template <>
 struct number_format<Eigen::bfloat16> {
-    static constexpr precision format = precision::bf16;
+    static constexpr precision format = precision::bf16;  ///< Eigen::bfloat16's format
 };
+/// Eigen::half is fp16.
 template <>
 struct number_format<Eigen::half> {
-    static constexpr precision format = precision::fp16;
+    static constexpr precision format = precision::fp16;  ///< Eigen::half's format
 };
 
 }  // namespace kfac

@@ -22,8 +22,8 @@ struct patch_grid {
     std::int64_t rows = 0;      ///< Ĥ
     std::int64_t cols = 0;      ///< Ŵ
     std::int64_t dil_h = 1;     ///< dilation used between kernel taps (1 in reference mode)
-    std::int64_t dil_w = 1;
-    [[nodiscard]] std::int64_t positions() const noexcept { return rows * cols; }
+    std::int64_t dil_w = 1;     ///< the same across the width
+    [[nodiscard]] std::int64_t positions() const noexcept { return rows * cols; }  ///< Ĥ·Ŵ
 };
 
 /// Grid of patches over an H × W input. In reference mode dilation is ignored, as
@@ -42,6 +42,10 @@ struct patch_grid {
 /// (sample, grid row) index space into `out`, a C_in·k_h·k_w × (row_count·Ŵ) row-major buffer
 /// with leading dimension `ld` (≥ row_count·Ŵ). Out-of-image taps are zeros (zero padding).
 /// @param input one contiguous [N, C_in, H, W] array.
+/// @param channels,height,width the input's extents C_in, H, W.
+/// @param g,grid the convolution's geometry and its patch grid (make_patch_grid()).
+/// @param first_row,row_count the output rows written.
+/// @param out,ld the buffer written and its leading dimension.
 template <class T>
 void extract_patches_transposed(const T* input, std::int64_t channels, std::int64_t height,
                                 std::int64_t width, const conv2d_geometry& g,

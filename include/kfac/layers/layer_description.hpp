@@ -22,6 +22,7 @@ namespace kfac {
 /// batch_norm_description()).
 enum class layer_kind { linear, conv2d, conv1d, embedding, layer_norm, batch_norm };
 
+/// The kind's name as messages and checkpoints write it: "linear", "conv2d", ... (the enumerator).
 [[nodiscard]] inline const char* kind_name(layer_kind k) noexcept {
     switch (k) {
         case layer_kind::linear: return "linear";
@@ -48,6 +49,7 @@ enum class layer_kind { linear, conv2d, conv1d, embedding, layer_norm, batch_nor
     return "unknown";
 }
 
+/// Conv2d or Conv1d.
 [[nodiscard]] constexpr bool is_convolution(layer_kind k) noexcept {
     return k == layer_kind::conv2d || k == layer_kind::conv1d;
 }
@@ -96,26 +98,27 @@ enum class weight_sharing {
     return k == layer_kind::batch_norm ? weight_sharing::reduce : weight_sharing::expand;
 }
 
+/// "expand" or "reduce".
 [[nodiscard]] inline const char* sharing_name(weight_sharing s) noexcept {
     return s == weight_sharing::expand ? "expand" : "reduce";
 }
 
 /// Geometry of a 2-D convolution, each pair {height, width}.
 struct conv2d_geometry {
-    std::array<std::int64_t, 2> kernel{1, 1};
-    std::array<std::int64_t, 2> stride{1, 1};
-    std::array<std::int64_t, 2> padding{0, 0};
-    std::array<std::int64_t, 2> dilation{1, 1};
-    std::int64_t groups = 1;
+    std::array<std::int64_t, 2> kernel{1, 1};    ///< k_h, k_w
+    std::array<std::int64_t, 2> stride{1, 1};    ///< ≥ 1
+    std::array<std::int64_t, 2> padding{0, 0};   ///< zeros added on each side, ≥ 0
+    std::array<std::int64_t, 2> dilation{1, 1};  ///< spacing of the kernel's taps, ≥ 1
+    std::int64_t groups = 1;                     ///< g: dividing C_in and C_out (layer_description)
 };
 
 /// Geometry of a 1-D convolution (torch::nn::Conv1d's options).
 struct conv1d_geometry {
-    std::int64_t kernel = 1;
-    std::int64_t stride = 1;
-    std::int64_t padding = 0;
-    std::int64_t dilation = 1;
-    std::int64_t groups = 1;
+    std::int64_t kernel = 1;    ///< k
+    std::int64_t stride = 1;    ///< ≥ 1
+    std::int64_t padding = 0;   ///< zeros added on each side, ≥ 0
+    std::int64_t dilation = 1;  ///< spacing of the kernel's taps, ≥ 1
+    std::int64_t groups = 1;    ///< g: dividing C_in and C_out
 };
 
 /// Linear: `in` = in_features, `out` = out_features. Conv: `in` = C_in, `out` = C_out.
@@ -127,12 +130,12 @@ struct conv1d_geometry {
 /// g_dim() are the dimensions of one group's block, and group_block() is the groups = 1
 /// layer that block belongs to.
 struct layer_description {
-    layer_kind kind = layer_kind::linear;
-    std::int64_t in = 0;
-    std::int64_t out = 0;
-    bool bias = false;
+    layer_kind kind = layer_kind::linear;  ///< what the layer is
+    std::int64_t in = 0;                   ///< in_features, C_in, V (Embedding) or C (normalisation)
+    std::int64_t out = 0;                  ///< out_features, C_out, E (Embedding) or C (normalisation)
+    bool bias = false;                     ///< whether it has a bias (a normalisation layer's shift)
     conv2d_geometry conv{};  ///< ignored for linear layers; {1, k}-style for conv1d
-    weight_sharing sharing = weight_sharing::expand;
+    weight_sharing sharing = weight_sharing::expand;  ///< how the factors treat positions (weight_sharing)
 
     /// Kronecker blocks of the layer: a convolution's groups, 1 for every other kind.
     [[nodiscard]] std::int64_t groups() const noexcept { return is_convolution(kind) ? conv.groups : 1; }
@@ -162,11 +165,13 @@ struct layer_description {
     }
 };
 
+/// A Linear layer, `in_features` → `out_features`, with a bias when `bias`.
 [[nodiscard]] inline layer_description linear_description(std::int64_t in_features,
                                                           std::int64_t out_features, bool bias) {
     return {layer_kind::linear, in_features, out_features, bias, {}, weight_sharing::expand};
 }
 
+/// A Conv2d of `in_channels` → `out_channels` with `geometry`, with a bias when `bias`.
 [[nodiscard]] inline layer_description conv2d_description(std::int64_t in_channels,
                                                           std::int64_t out_channels,
                                                           const conv2d_geometry& geometry,
@@ -195,6 +200,7 @@ struct layer_description {
     return {layer_kind::embedding, num_embeddings, embedding_dim, false, {}, weight_sharing::expand};
 }
 
+///@{
 /// The scale-and-shift of a LayerNorm over `features` (C, the product of normalized_shape) or
 /// of a BatchNorm over `channels`, with a shift when `shift`. Rows of the curvature blocks:
 /// a LayerNorm's every row of [rows..., C] (weight sharing expand, as a Linear layer on
@@ -207,6 +213,7 @@ struct layer_description {
 [[nodiscard]] inline layer_description batch_norm_description(std::int64_t channels, bool shift) {
     return {layer_kind::batch_norm, channels, channels, shift, {}, default_sharing(layer_kind::batch_norm)};
 }
+///@}
 
 /// The same layer with another weight-sharing treatment.
 [[nodiscard]] inline layer_description with_sharing(layer_description d, weight_sharing s) noexcept {

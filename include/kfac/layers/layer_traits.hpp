@@ -150,6 +150,7 @@ concept layer_adapter =
     detail::traits_have_statistics<Layer> && detail::traits_have_weight_gradient<Layer> &&
     detail::traits_have_bias_gradient<Layer>;
 
+/// layer_adapter<Layer> as a value.
 template <class Layer>
 inline constexpr bool is_layer_adapter_v = layer_adapter<Layer>;
 

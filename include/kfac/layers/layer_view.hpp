@@ -15,15 +15,19 @@ namespace kfac {
 /// struct, not copies of the views.
 template <class Scalar>
 struct layer_view {
-    layer_description description{};
+    layer_description description{};          ///< kind and shapes
     tensor_view<const Scalar> input{};        ///< [..., in] or [N, C_in, H, W]
     tensor_view<const Scalar> grad_output{};  ///< [..., out] or [N, C_out, H_out, W_out]
     tensor_view<Scalar> grad_weight{};        ///< [out, in] or [C_out, C_in, k_h, k_w]
     tensor_view<Scalar> grad_bias{};          ///< [out], empty without bias
 };
 
+/// The adapter of a layer_view: each member returns the view's field of that role.
 template <class Scalar>
 struct layer_traits<layer_view<Scalar>> {
+    ///@{
+    /// The layer_traits members (kfac/layers/layer_traits.hpp): `description`, `input`,
+    /// `grad_output`, `grad_weight` and `grad_bias` of the layer_view, as they are.
     using scalar_type = Scalar;
     static layer_description describe(const layer_view<Scalar>& l) { return l.description; }
     static tensor_view<const Scalar> activations(const layer_view<Scalar>& l) { return l.input; }
@@ -32,6 +36,7 @@ struct layer_traits<layer_view<Scalar>> {
     }
     static tensor_view<Scalar> weight_gradient(layer_view<Scalar>& l) { return l.grad_weight; }
     static tensor_view<Scalar> bias_gradient(layer_view<Scalar>& l) { return l.grad_bias; }
+    ///@}
 };
 
 }  // namespace kfac

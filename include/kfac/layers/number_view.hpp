@@ -17,7 +17,7 @@ namespace kfac {
 /// A view of `void` (writable) or `const void` (read-only) elements in `format`.
 template <class Void>
 struct number_view : tensor_view<Void> {
-    precision format = precision::fp32;
+    precision format = precision::fp32;  ///< the elements' format
 
     number_view() = default;
     /// The view of a tensor_view of a number_type.
@@ -41,7 +41,7 @@ struct number_view : tensor_view<Void> {
         v.space = this->space;
         return v;
     }
-    [[nodiscard]] std::size_t element_bytes() const noexcept { return bytes_of(format); }
+    [[nodiscard]] std::size_t element_bytes() const noexcept { return bytes_of(format); }  ///< bytes of one element
 };
 
 /// The same view, read-only.

@@ -22,6 +22,7 @@ inline constexpr int max_view_rank = 8;
 /// kfac::backend::cuda, and a host backend rejects them with an error naming the layer.
 enum class memory_space { host, device };
 
+/// "host" or "device".
 [[nodiscard]] constexpr const char* memory_space_name(memory_space m) noexcept {
     return m == memory_space::host ? "host" : "device";
 }
@@ -31,17 +32,21 @@ enum class memory_space { host, device };
 /// which means "not available".
 template <class T>
 struct tensor_view {
-    T* data = nullptr;
-    int rank = 0;
-    std::array<std::int64_t, max_view_rank> extents{};
-    memory_space space = memory_space::host;
+    T* data = nullptr;                                   ///< the first element; null: an empty view
+    int rank = 0;                                        ///< dimensions, 0 to max_view_rank
+    std::array<std::int64_t, max_view_rank> extents{};  ///< the first `rank` are the shape
+    memory_space space = memory_space::host;             ///< where `data` points
 
     tensor_view() = default;
+    /// A view of `ptr` with `shape`, in `where`.
+    /// @throws kfac::error when the shape has more than max_view_rank dimensions.
     tensor_view(T* ptr, std::initializer_list<std::int64_t> shape, memory_space where = memory_space::host)
         : data(ptr), space(where) {
         if (shape.size() > static_cast<std::size_t>(max_view_rank)) throw rank_error(shape.size());
         for (std::int64_t e : shape) extents[static_cast<std::size_t>(rank++)] = e;
     }
+    /// A view of `ptr` with the extents of any range `shape` (an xtensor shape, say).
+    /// @throws kfac::error when the shape has more than max_view_rank dimensions.
     template <class Extents>
     static tensor_view from_extents(T* ptr, const Extents& shape, memory_space where = memory_space::host) {
         tensor_view v;
@@ -54,7 +59,7 @@ struct tensor_view {
         return v;
     }
 
-    [[nodiscard]] bool empty() const noexcept { return data == nullptr; }
+    [[nodiscard]] bool empty() const noexcept { return data == nullptr; }  ///< whether it is "not available"
 
     /// The error for a shape of too many dimensions (the preconditioner adds the layer's name).
     static error rank_error(std::size_t rank) {
@@ -62,7 +67,9 @@ struct tensor_view {
                      std::to_string(max_view_rank) + " dimensions (kfac::max_view_rank): flatten leading "
                      "dimensions into one");
     }
+    /// Extent of dimension i, for i in [0, rank).
     [[nodiscard]] std::int64_t extent(int i) const { return extents[static_cast<std::size_t>(i)]; }
+    /// The number of elements: the product of the extents (1 for rank 0).
     [[nodiscard]] std::int64_t size() const noexcept {
         std::int64_t n = 1;
         for (int i = 0; i < rank; ++i) n *= extents[static_cast<std::size_t>(i)];

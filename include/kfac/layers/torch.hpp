@@ -118,13 +118,14 @@
 #include <c10/util/Half.h>
 
 namespace kfac {
-/// LibTorch's 16-bit types as view elements (kfac/precision.hpp).
+/// LibTorch's 16-bit types as view elements (kfac/precision.hpp): c10::BFloat16 is bf16.
 template <>
 struct number_format<c10::BFloat16> {
-    static constexpr precision format = precision::bf16;
+    static constexpr precision format = precision::bf16;  ///< c10::BFloat16's format
 };
+/// c10::Half is fp16.
 template <>
 struct number_format<c10::Half> {
-    static constexpr precision format = precision::fp16;
+    static constexpr precision format = precision::fp16;  ///< c10::Half's format
 };
 }  // namespace kfac

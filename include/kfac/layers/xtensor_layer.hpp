@@ -17,11 +17,11 @@ namespace kfac {
 /// copy); they must be row-major, which is xtensor's default layout.
 template <class Container>
 struct xtensor_layer {
-    using scalar_type = typename Container::value_type;
-    layer_description description{};
-    const Container* input = nullptr;
-    const Container* grad_output = nullptr;
-    Container* grad_weight = nullptr;
+    using scalar_type = typename Container::value_type;  ///< the containers' element type
+    layer_description description{};                     ///< kind and shapes
+    const Container* input = nullptr;        ///< activations, shaped as layer_view::input
+    const Container* grad_output = nullptr;  ///< output gradients, shaped as layer_view::grad_output
+    Container* grad_weight = nullptr;        ///< weight gradient, shaped as layer_view::grad_weight
     Container* grad_bias = nullptr;  ///< nullptr without bias
 };
 
@@ -38,8 +38,13 @@ tensor_view<T> view_of(Container* c, const char* what) {
 
 }  // namespace detail
 
+/// The adapter of an xtensor_layer: views of its containers, read in place.
 template <class Container>
 struct layer_traits<xtensor_layer<Container>> {
+    ///@{
+    /// The layer_traits members (kfac/layers/layer_traits.hpp): the description, and a view of
+    /// each container (an empty one for a null pointer).
+    /// @throws kfac::error from a view member when its container is not row-major.
     using scalar_type = typename Container::value_type;
     using layer = xtensor_layer<Container>;
     static layer_description describe(const layer& l) { return l.description; }
@@ -55,6 +60,7 @@ struct layer_traits<xtensor_layer<Container>> {
     static tensor_view<scalar_type> bias_gradient(layer& l) {
         return detail::view_of<scalar_type>(l.grad_bias, "grad_bias");
     }
+    ///@}
 };
 
 }  // namespace kfac

@@ -63,7 +63,14 @@ int step_and_check(Preconditioner& precond, tiny_linear& layer, const char* who)
         change += std::fabs(static_cast<double>(layer.db[i]) - db0[i]);
     }
     const bool ok = finite && change > 0.0 && precond.steps() == 1;
-    std::printf("%s: steps=%lld kl_scale=%g |change|=%g finite=%s: %s\n", who,
+    // kfac::engines' header (included first by the target) defines KFAC_ENGINES_ABI: the
+    // engines were then linked from the library, not compiled here.
+#ifdef KFAC_ENGINES_ABI
+    const char* engines = "linked";
+#else
+    const char* engines = "compiled";
+#endif
+    std::printf("%s: engines=%s steps=%lld kl_scale=%g |change|=%g finite=%s: %s\n", who, engines,
                 static_cast<long long>(precond.steps()), precond.last_kl_scale(), change,
                 finite ? "yes" : "no", ok ? "PASS" : "FAIL");
     return ok ? 0 : 1;

@@ -164,7 +164,7 @@ void convert(Policy&& policy, const S* src, index count, D* dst) {
 }
 
 /// out[t] ← the bf16 or fp16 element in[t] (its bits) as T: exact (a bf16/fp16 device view read
-/// into the compute type, README "Precision").
+/// into the compute type, docs/precision.md).
 template <class Policy, class T>
 void widen_elements(Policy&& policy, const std::uint16_t* in, index count, precision format, T* out) {
     for_each_index(policy, count, [=] KFAC_HOST_DEVICE(index t) {

@@ -29,16 +29,21 @@
 
 namespace kfac::torch {
 
+/// Dynamic loss scaling: the scale s, lowered after an overflow and raised after a run of
+/// good steps (above).
 class grad_scaler {
 public:
+    /// The scaler's rule, PyTorch's GradScaler defaults.
     struct settings {
         double initial_scale = 65536.0;  ///< 2^16, PyTorch's
-        double growth_factor = 2.0;
-        double backoff_factor = 0.5;
+        double growth_factor = 2.0;      ///< s ← s × growth_factor after growth_interval good steps (> 1)
+        double backoff_factor = 0.5;     ///< s ← s × backoff_factor after an overflow, in (0, 1)
         std::int64_t growth_interval = 2000;  ///< good steps before the scale grows
     };
 
-    grad_scaler() : grad_scaler(settings{}) {}
+    grad_scaler() : grad_scaler(settings{}) {}  ///< with the default settings
+    /// @throws kfac::error unless initial_scale is finite and > 0, growth_factor > 1,
+    ///         backoff_factor in (0, 1) and growth_interval > 0.
     explicit grad_scaler(settings s) : settings_(s), scale_(s.initial_scale) {
         if (!(std::isfinite(s.initial_scale) && s.initial_scale > 0.0 && s.growth_factor > 1.0 &&
               s.backoff_factor > 0.0 && s.backoff_factor < 1.0 && s.growth_interval > 0))
@@ -78,7 +83,7 @@ public:
         found_inf_ = false;
     }
 
-    [[nodiscard]] double current_scale() const noexcept { return scale_; }
+    [[nodiscard]] double current_scale() const noexcept { return scale_; }  ///< s
     /// options.loss_scale following this scaler (which must outlive the preconditioner).
     [[nodiscard]] std::function<double(std::int64_t)> loss_scale() const {
         return [this](std::int64_t) { return scale_; };

@@ -42,11 +42,12 @@ struct registration {
     struct left_out {
         std::string name;    ///< as named_modules() names it
         std::string module;  ///< its type, "torch::nn::GroupNorm"
-        std::string reason;
+        std::string reason;  ///< why it is left out: "no K-FAC block for this module type", ...
     };
     std::vector<std::string> registered;  ///< in registration order
-    std::vector<left_out> not_preconditioned;
+    std::vector<left_out> not_preconditioned;  ///< the modules with parameters it left out
 
+    /// The number of modules registered.
     [[nodiscard]] std::size_t size() const noexcept { return registered.size(); }
     /// "K-FAC preconditions 10 layers; not preconditioned (...): torch::nn::GroupNorm (no K-FAC
     /// block for this module type): gn1, layer1.gn1; ...": the modules grouped by type and reason.
@@ -136,8 +137,8 @@ std::pair<registration, std::vector<std::shared_ptr<layer_state>>> prepare_modul
 /// What track_modules() tracked: the report and the tracked layers, in the report's order.
 template <class Scalar>
 struct tracked_modules {
-    registration report;
-    std::vector<tracked_layer<Scalar>*> layers;
+    registration report;                         ///< what was tracked, and what was left out
+    std::vector<tracked_layer<Scalar>*> layers;  ///< owned by the tracker
 };
 
 /// Tracks every module of `model` that register_modules() would register (as

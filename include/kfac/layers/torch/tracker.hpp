@@ -72,9 +72,11 @@ struct tracker_access {
 template <class Scalar>
 class tracked_layer {
 public:
+    /// The layer of `state` (the tracker's; not for the host to call).
     explicit tracked_layer(std::shared_ptr<detail::layer_state> state) : state_(std::move(state)) {}
 
-    [[nodiscard]] const std::string& name() const noexcept { return state_->name; }
+    [[nodiscard]] const std::string& name() const noexcept { return state_->name; }  ///< as it was tracked
+    /// Its kind and shapes, from the module's options.
     [[nodiscard]] const layer_description& description() const noexcept { return state_->description; }
     /// The module (a torch::nn::LinearImpl, Conv2dImpl, Conv1dImpl, EmbeddingImpl, LayerNormImpl, BatchNorm2dImpl, ...).
     [[nodiscard]] const std::shared_ptr<::torch::nn::Module>& module() const noexcept { return state_->module; }
@@ -106,6 +108,8 @@ public:
         const at::Tensor& x = p->activations();
         return detail::view_of<const void>(*state_, "the captured input", x);
     }
+    /// The output gradient of application `i` of the current pass.
+    /// @throws kfac::error as activations_view().
     [[nodiscard]] number_view<const void> output_gradients_view(std::int64_t i) const {
         const auto p = usable(i);
         detail::check_tensor<Scalar>(*state_, "the captured output gradient", p->grad_output);
@@ -160,6 +164,8 @@ class tracker {
                   "kfac::torch::tracker<Scalar>: Scalar must be float or double");
 
 public:
+    /// Starts observing this thread's operator calls (a thread-local RecordFunction callback,
+    /// shared by the thread's trackers).
     tracker() : core_(std::make_shared<detail::tracker_core>()) {
         detail::thread_observer& obs = detail::observer;
         if (obs.handle == at::INVALID_CALLBACK_HANDLE)
@@ -171,6 +177,7 @@ public:
         obs.trackers.push_back(core_);
     }
 
+    /// Stops observing; the last tracker of the thread removes the callback.
     ~tracker() {
         detail::thread_observer& obs = detail::observer;
         std::erase_if(obs.trackers, [this](const std::weak_ptr<detail::tracker_core>& w) {
@@ -212,7 +219,7 @@ public:
             if (l->name() == name) return *l;
         throw error("torch adapter: no layer named '" + name + "' is tracked");
     }
-    [[nodiscard]] std::size_t size() const noexcept { return layers_.size(); }
+    [[nodiscard]] std::size_t size() const noexcept { return layers_.size(); }  ///< the number of tracked layers
 
 private:
     // The steps of an all-or-nothing registration (kfac/layers/torch/registration.hpp), through
@@ -298,6 +305,9 @@ namespace kfac {
 /// tensors the tracker captured in the current pass and the parameters' own .grad() buffers.
 template <class Scalar>
 struct layer_traits<torch::tracked_layer<Scalar>> {
+    ///@{
+    /// The layer_traits members (kfac/layers/layer_traits.hpp), each forwarded to the tracked
+    /// layer's member of that role.
     using scalar_type = Scalar;
     using layer = torch::tracked_layer<Scalar>;
     static layer_description describe(const layer& l) { return l.description(); }
@@ -310,6 +320,7 @@ struct layer_traits<torch::tracked_layer<Scalar>> {
     static number_view<void> weight_gradient(layer& l) { return l.weight_gradient_view(); }
     static number_view<void> bias_gradient(layer& l) { return l.bias_gradient_view(); }
     static void end_pass(layer& l) { l.end_pass(); }
+    ///@}
 };
 
 }  // namespace kfac

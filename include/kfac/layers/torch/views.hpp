@@ -73,7 +73,7 @@ inline memory_space memory_space_of(const layer_state& l, const char* what, cons
 
 /// Throws a kfac::error naming the layer unless `t` is a dense, C-contiguous CPU or CUDA
 /// tensor of float, double, bfloat16 or half (converted to the backend's type as it is read:
-/// README, "Precision").
+/// docs/precision.md).
 template <class Scalar>
 void check_tensor(const layer_state& l, const char* what, const at::Tensor& t) {
     (void)memory_space_of(l, what, t.device());
