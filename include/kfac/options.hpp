@@ -126,7 +126,12 @@ enum class damping_form {
 /// a value it would otherwise lose: `gradient` also when the preconditioned gradient is finite
 /// but beyond its view's format; `factor_storage` when fp16 factor storage would have flushed a
 /// variance of a factor, which is then kept in bf16 (docs/precision.md).
-enum class non_finite_source { factor_statistics, decomposition, gradient, factor_storage };
+enum class non_finite_source {
+    factor_statistics,  ///< a layer's batch statistic (not folded into its running factors)
+    decomposition,      ///< an eigendecomposition or inverse (retried in double, else the last kept)
+    gradient,           ///< a preconditioned gradient, non-finite or beyond its view's format
+    factor_storage,     ///< fp16 storage would have flushed a variance (stored in bf16 instead)
+};
 
 /// Run-time options. Defaults are kfac-pytorch's (KFACPreconditioner) defaults.
 struct options {

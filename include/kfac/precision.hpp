@@ -16,7 +16,12 @@
 namespace kfac {
 
 /// A floating-point format.
-enum class precision { bf16, fp16, fp32, fp64 };
+enum class precision {
+    bf16,  ///< bfloat16: 8 exponent bits, 8 significand bits
+    fp16,  ///< IEEE binary16 (half): 5 exponent bits, 11 significand bits
+    fp32,  ///< IEEE binary32 (float)
+    fp64,  ///< IEEE binary64 (double)
+};
 
 /// The format's name, as checkpoints and messages write it: "bf16", "fp16", "fp32" or "fp64".
 [[nodiscard]] constexpr const char* precision_name(precision p) noexcept {

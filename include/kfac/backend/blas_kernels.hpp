@@ -38,7 +38,14 @@
 namespace kfac::backend {
 
 /// x86 vector instruction-set levels, oldest first. `unknown`: not x86, or not known.
-enum class isa_level { unknown, sse, sse4_2, avx, avx2, avx512f };
+enum class isa_level {
+    unknown,  ///< not x86, or a level this code does not know
+    sse,      ///< SSE/SSE2 only (OpenBLAS's Prescott kernels)
+    sse4_2,   ///< up to SSE4.2 (Nehalem)
+    avx,      ///< AVX (Sandy Bridge)
+    avx2,     ///< AVX2 and FMA (Haswell, Zen)
+    avx512f,  ///< AVX-512 Foundation (Skylake-X, Zen 4)
+};
 
 /// "SSE", "SSE4.2", "AVX", "AVX2", "AVX-512F"; "unknown".
 inline const char* isa_name(isa_level level) {

@@ -49,7 +49,15 @@ struct object_member;
 /// A parsed JSON value: its kind, and the member of that kind's value.
 struct value {
     /// JSON's kinds of value; `integer` is a number without fraction or exponent.
-    enum class kind { null, boolean, integer, number, string, array, object };
+    enum class kind {
+        null,     ///< `null`
+        boolean,  ///< `true` or `false`
+        integer,  ///< a number without fraction or exponent
+        number,   ///< any other number
+        string,   ///< a string
+        array,    ///< an array
+        object,   ///< an object
+    };
     kind type = kind::null;  ///< which kind it is
     bool flag = false;       ///< for booleans
     std::int64_t integer = 0;  ///< for integers (numbers without fraction or exponent)

@@ -39,7 +39,13 @@ static_assert(std::endian::native == std::endian::little,
 
 /// Element types a checkpoint uses (safetensors' names): BF16 and F16 hold factors kept in
 /// options.factor_storage.
-enum class dtype { f32, f64, i64, bf16, f16 };
+enum class dtype {
+    f32,   ///< F32: IEEE binary32
+    f64,   ///< F64: IEEE binary64
+    i64,   ///< I64: signed 64-bit integers
+    bf16,  ///< BF16: bfloat16
+    f16,   ///< F16: IEEE binary16
+};
 
 /// safetensors' name of the type: "F32", "F64", "I64", "BF16" or "F16".
 [[nodiscard]] inline const char* dtype_name(dtype t) noexcept {

@@ -20,7 +20,14 @@ namespace kfac {
 /// LayerNorm's [rows..., C] (features last), BatchNorm's [N, C, spatial...] (channels second);
 /// their weight (scale) and bias (shift) gradients are [C] (layer_norm_description(),
 /// batch_norm_description()).
-enum class layer_kind { linear, conv2d, conv1d, embedding, layer_norm, batch_norm };
+enum class layer_kind {
+    linear,      ///< y = x Wᵀ + b (torch.nn.Linear)
+    conv2d,      ///< 2-D convolution, grouped and depthwise too (torch.nn.Conv2d)
+    conv1d,      ///< 1-D convolution (torch.nn.Conv1d)
+    embedding,   ///< a lookup table of rows (torch.nn.Embedding): a diagonal A
+    layer_norm,  ///< LayerNorm's scale and shift, features last: unit-wise blocks
+    batch_norm,  ///< BatchNorm's scale and shift, channels second: unit-wise blocks
+};
 
 /// The kind's name as messages and checkpoints write it: "linear", "conv2d", ... (the enumerator).
 [[nodiscard]] inline const char* kind_name(layer_kind k) noexcept {
@@ -71,7 +78,12 @@ enum class layer_kind { linear, conv2d, conv1d, embedding, layer_norm, batch_nor
 /// "unit-wise" Fisher of Osawa et al., ASDL). A stores the C blocks, C × k(k+1)/2 (columns
 /// F_γγ, F_γβ, F_ββ); G is the 1 × 1 identity, never estimated, so that the eigen method's
 /// 1/(λ_A·λ_G + γ) and the inverse method both give (F_c + γI)⁻¹ per channel.
-enum class factor_structure { dense, diagonal, unit_wise, identity };
+enum class factor_structure {
+    dense,      ///< a full symmetric matrix (Linear's and convolutions' A and G)
+    diagonal,   ///< its diagonal only (an Embedding's A: one-hot rows make A diagonal)
+    unit_wise,  ///< one exact k × k block per channel (a normalisation layer's A)
+    identity,   ///< the identity, never estimated (a normalisation layer's G)
+};
 
 /// How the factors treat a weight applied at several positions of one example (the tokens of
 /// a sequence, the output locations of a convolution); Eschenhagen et al., "Kronecker-Factored

@@ -20,7 +20,10 @@ inline constexpr int max_view_rank = 8;
 /// Where a view's elements live. Every backend reads host views; device views (a GPU
 /// framework's buffers, used in place without a copy) need a device backend such as
 /// kfac::backend::cuda, and a host backend rejects them with an error naming the layer.
-enum class memory_space { host, device };
+enum class memory_space {
+    host,    ///< the CPU's memory
+    device,  ///< a GPU's memory (a device backend's)
+};
 
 /// "host" or "device".
 [[nodiscard]] constexpr const char* memory_space_name(memory_space m) noexcept {
