@@ -2,7 +2,7 @@
 #pragma once
 /// @file kfac.hpp
 /// Umbrella header: the core, the CPU backend, the single-process comm policy, comm::any (any
-/// policy behind a virtual interface), both compute methods, the assignment strategies and
+/// policy behind a virtual interface), the compute methods, the assignment strategies and
 /// the plain view adapter. Never includes MPI or CUDA
 /// (kfac/comm/mpi.hpp, kfac/backend/cuda.cuh) nor xtensor (kfac/layers/xtensor_layer.hpp).
 
@@ -12,6 +12,7 @@
 #include "kfac/backend/cpu_eigen.hpp"
 #include "kfac/comm/any.hpp"
 #include "kfac/comm/serial.hpp"
+#include "kfac/compute/ekfac.hpp"
 #include "kfac/compute/eigendecomposition.hpp"
 #include "kfac/compute/inverse.hpp"
 #include "kfac/config.hpp"

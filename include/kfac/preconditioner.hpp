@@ -59,6 +59,9 @@ namespace kfac {
 template <class Backend, class CommPolicy, class ComputeMethod, class AssignmentStrategy>
 class preconditioner {
     using engine_type = detail::engine<Backend, CommPolicy, ComputeMethod>;
+    /// Whether the compute method re-estimates a scaling at factor updates (compute::ekfac):
+    /// last_step_times() then counts that in second_order.
+    static constexpr bool estimates_scaling = detail::method_estimating_scaling<typename engine_type::method>;
 
 public:
     /// The Backend policy: storage and linear algebra.
@@ -121,7 +124,8 @@ public:
     ///   capture  this pass's factor statistics        (factor-update steps)
     ///   end pass tell the host its pass was read      (agreed by all ranks)
     ///   update   running factors, averaged over ranks (factor-update steps)
-    ///   decompose and share the second-order data     (inverse-update steps)
+    ///   decompose and share the second-order data     (inverse-update steps); under
+    ///            compute::ekfac, re-estimate its scaling (factor-update steps)
     ///   precondition every layer, share the results, agree on which are usable
     ///   clip     one kl_clip scale ν for the whole model
     ///   write    the scaled gradients back into the host's buffers
@@ -157,7 +161,8 @@ public:
         if (plan.factor_update) engine_.update_factors(plan, outcome);
         timer.lap(step_phase::factors, plan.factor_update);
         if (plan.inverse_update) engine_.update_second_order(plan, outcome);
-        timer.lap(step_phase::second_order, plan.inverse_update);
+        if (plan.factor_update) engine_.update_scaling(plan, outcome);  // compute::ekfac's S
+        timer.lap(step_phase::second_order, plan.inverse_update || (plan.factor_update && estimates_scaling));
         engine_.precondition_all(plan, outcome);
         timer.lap(step_phase::precondition);
         const double scale = engine_.kl_clip_scale(plan);

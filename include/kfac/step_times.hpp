@@ -14,7 +14,7 @@ enum class step_phase : int {
     plan,          ///< setup, the scheduled options and the host's views read and agreed, the overflow vote
     capture,       ///< this pass's factor statistics, and the host's end_pass()
     factors,       ///< the running factors, averaged over the ranks (factor-update steps)
-    second_order,  ///< decompositions or inverses, and their broadcasts (inverse-update steps)
+    second_order,  ///< decompositions or inverses, and their broadcasts (inverse-update steps); under compute::ekfac also its scaling (factor-update steps)
     precondition,  ///< every layer's preconditioned gradient, shared and checked
     kl_clip,       ///< kl_clip's scale ν
     write_back,    ///< the gradients written into the host's buffers

@@ -89,6 +89,17 @@ void run(kfac::KFAC<>& precond) {
 }  // namespace fragment_non_finite
 
 // docs/development.md, "BLAS": the diagnostic channel redirected, then silenced.
+namespace fragment_ekfac_method {
+/// The EKFAC preconditioner of docs/k-fac.md steps a Linear layer: its gradient changes.
+bool run(const kfac::options& opts, kfac::layer_view<float>& fc) {
+#include "fragments/ekfac_method.inc"
+    precond.register_layer("fc", fc);
+    const std::vector<float> before(fc.grad_weight.data, fc.grad_weight.data + fc.grad_weight.size());
+    precond.step();
+    return std::vector<float>(fc.grad_weight.data, fc.grad_weight.data + fc.grad_weight.size()) != before;
+}
+}  // namespace fragment_ekfac_method
+
 namespace fragment_diagnostic_handler {
 struct logger {
     std::vector<std::string> lines;
@@ -131,6 +142,14 @@ int main() {
 
     fragment_diagnostic_handler::run();
     done("diagnostic_handler");
+
+    dense_buffers l3(5, 3, 8);
+    l3.refill();
+    if (!fragment_ekfac_method::run(kfac::options{}, l3.view)) {
+        std::printf("fragment ekfac_method: the step left the gradient unchanged\n");
+        return 1;
+    }
+    done("ekfac_method");
 
     std::printf("%d fragments ran\n", ran);
     return 0;

@@ -138,7 +138,7 @@ public:
     void prepare_receive(layer_data& l, const layer_description& d, const options& o) const override {
         const auto a_dim = d.a_dim(), g_dim = d.g_dim();
         if constexpr (eigen) {
-            l.has_product = o.compute_eigenvalue_outer_product;
+            l.has_product = Method::keeps_product(o);
             l.a.q.resize(0, 0);
             l.g.q.resize(g_dim, g_dim);
             l.a.lambda.resize(l.has_product ? 0 : a_dim);

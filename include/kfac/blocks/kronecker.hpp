@@ -177,13 +177,14 @@ public:
     void prepare_receive(layer_data& l, const layer_description& d, const options& o) const override {
         const auto a_dim = d.a_dim(), g_dim = d.g_dim();
         if constexpr (eigen) {
-            l.has_product = o.compute_eigenvalue_outer_product;
+            l.has_product = Method::keeps_product(o);
             l.a.q.resize(a_dim, a_dim);
             l.g.q.resize(g_dim, g_dim);
             l.a.lambda.resize(l.has_product ? 0 : a_dim);
             l.a.blocks.resize(0, 0);
             l.g.lambda.resize(l.has_product ? 0 : g_dim);
             l.inverse_eigen_product.resize(l.has_product ? a_dim : 0, l.has_product ? g_dim : 0);
+            Method::size_extras(l, a_dim, g_dim);
         } else {
             l.a.diagonal = false;
             l.a.inverse.resize(a_dim, a_dim);

@@ -10,17 +10,23 @@
 #include "kfac/compute/inverse.hpp"
 #include "kfac/detail/compute_impl.hpp"
 
+namespace kfac::compute {
+struct ekfac;  // kfac/compute/ekfac.hpp
+}
+
 namespace kfac::blocks {
 
-/// True under compute::eigendecomposition, false under compute::inverse; any other method is
-/// refused, by name, where a block is instantiated for it.
+/// True under the methods that precondition in the factors' eigenbases (compute::eigendecomposition,
+/// and compute::ekfac, which changes only the scaling those bases are divided by), false under
+/// compute::inverse; any other method is refused, by name, where a block is instantiated for it.
 template <class Method>
 inline constexpr bool under_eigendecomposition = [] {
     using tag = typename Method::tag;
-    static_assert(std::is_same_v<tag, compute::eigendecomposition> || std::is_same_v<tag, compute::inverse>,
-                  "kfac: the block kinds (kfac/blocks/) know compute::eigendecomposition and compute::inverse; "
-                  "a new compute method needs its second-order code in each block kind");
-    return std::is_same_v<tag, compute::eigendecomposition>;
+    constexpr bool eigenbasis = std::is_same_v<tag, compute::eigendecomposition> || std::is_same_v<tag, compute::ekfac>;
+    static_assert(eigenbasis || std::is_same_v<tag, compute::inverse>,
+                  "kfac: the block kinds (kfac/blocks/) know compute::eigendecomposition, compute::ekfac and "
+                  "compute::inverse; a new compute method needs its second-order code in each block kind");
+    return eigenbasis;
 }();
 
 }  // namespace kfac::blocks

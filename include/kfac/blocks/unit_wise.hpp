@@ -186,7 +186,7 @@ public:
     /// A non-finite inverse zeroes the layer's gradient at precondition.
     void finalize(layer_data& l, double damping, const options& o) const override {
         if constexpr (eigen) {
-            l.has_product = o.compute_eigenvalue_outer_product;
+            l.has_product = Method::keeps_product(o);
             if (!l.has_product) {
                 l.inverse_eigen_product.resize(0, 0);
                 return;
@@ -216,7 +216,7 @@ public:
     void prepare_receive(layer_data& l, const layer_description& d, const options& o) const override {
         const block_layout b = unit_wise::layout(d);
         if constexpr (eigen) {
-            l.has_product = o.compute_eigenvalue_outer_product;
+            l.has_product = Method::keeps_product(o);
             l.a.q.resize(0, 0);
             l.g.q.resize(1, 1);
             l.a.lambda.resize(0);

@@ -23,6 +23,13 @@
 ///   // none (eigenbasis_counts()).
 ///   static basis_use basis_use_of(const factor_data&);
 /// ```
+/// A method that preconditions in the eigenbases (the blocks' under_eigendecomposition) also
+/// provides keeps_product(options) (whether D = 1/(λ_A λ_Gᵀ + γ) is precomputed) and
+/// size_extras(layer_data&, a_dim, g_dim) (data the blocks do not size). Optional members the
+/// engine calls where a method has them: unsupported_layer(description) (a reason to refuse a
+/// layer at registration), and `estimates_scaling` with keep_rows / estimate_scaling /
+/// update_scaling / release_rows (a per-step estimate from the captured rows after the inverse
+/// update: compute::ekfac, kfac/compute/ekfac.hpp).
 
 #include <cstddef>
 #include <cstdint>
@@ -131,13 +138,19 @@ struct compute_impl<compute::eigendecomposition, Backend> {
     /// Dᵀ = 1/(λ_A λ_Gᵀ + γ) when options.compute_eigenvalue_outer_product asks for it (and
     /// nothing otherwise), for factors whose eigenvalues are λ_A and λ_G.
     static void finalize_eigen_product(layer_data& l, double damping, const options& o) {
-        l.has_product = o.compute_eigenvalue_outer_product;
+        l.has_product = keeps_product(o);
         if (!l.has_product) {
             l.inverse_eigen_product.resize(0, 0);
             return;
         }
         Backend::inverse_eigen_product(l.a.lambda, l.g.lambda, static_cast<scalar>(damping), l.inverse_eigen_product);
     }
+
+    /// Whether the data keeps D = 1/(λ_A λ_Gᵀ + γ), precomputed at the inverse update.
+    static bool keeps_product(const options& o) { return o.compute_eigenvalue_outer_product; }
+    /// Sizes data beyond what the blocks size (the blocks' prepare_receive()): none here.
+    template <class LayerData>
+    static void size_extras(LayerData&, std::int64_t, std::int64_t) {}
 
     /// V'ᵀ ← Vᵀ ⊘ (λ_A λ_Gᵀ + γ), by the precomputed D when there is one.
     static void divide_by_damped_eigenvalues(const layer_data& l, double damping, matrix& v_t) {

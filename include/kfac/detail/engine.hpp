@@ -97,6 +97,10 @@ assignment_policy assignment_policy_of() {
     return {AssignmentStrategy::name, &assignment::plan_distribution<AssignmentStrategy>};
 }
 
+/// Whether a compute method re-estimates a scaling at factor updates (compute::ekfac).
+template <class Method>
+concept method_estimating_scaling = requires { Method::estimates_scaling; };
+
 template <class Backend, class CommPolicy, class ComputeMethod>
 class engine {
 public:
@@ -156,6 +160,10 @@ public:
     void update_second_order(const step_plan& plan, step_outcome& outcome);
     /// Waits for the second-order broadcasts update_second_order() left travelling, if any.
     void finish_second_order_broadcasts();
+    /// Under a method that re-estimates a scaling at factor updates (compute::ekfac), each
+    /// layer's from the pass's rows in the bases now in force (after update_second_order());
+    /// nothing under the others.
+    void update_scaling(const step_plan& plan, step_outcome& outcome);
     /// Pᵀ of every layer, shared from the gradient workers; unusable layers zeroed.
     void precondition_all(const step_plan& plan, step_outcome& outcome);
     /// ν = min(1, √(κ / |η² Σ_layers ⟨P, Γ⟩|)), 1 without kl_clip or when the sum is 0.
@@ -258,6 +266,7 @@ private:
     [[noreturn]] void throw_factor_not_held(std::size_t i, bool a) const;
 
     // configuration and placement (engine_setup.hpp)
+    void check_method_supported() const;
     void check_eigenbasis_reuse_supported() const;
     void check_damping_supported() const;
     void check_configuration_agrees();

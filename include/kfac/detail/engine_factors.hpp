@@ -102,6 +102,13 @@ void engine<Backend, CommPolicy, ComputeMethod>::capture_pass(bool post_factor_s
         l.statistics.pass_rows = static_cast<scalar_type>(rows);
         l.statistics.pass_applications = n;
         if (n == 0) continue;
+        if constexpr (method_estimating_scaling<method>) {  // the rows update_scaling() reads
+            if (n > 1)
+                throw layer_error(named(l), "compute::ekfac needs one application of a layer per pass (its "
+                                            "per-example gradient sums the calls' contributions, which is not "
+                                            "supported yet); it was applied " + std::to_string(n) + " times");
+            method::keep_rows(l.scratch.method_ws, a[0], g[0]);
+        }
         std::vector<statistic_scales> scales;
         if (options_.statistics == statistic_scale::per_example) {
             const layer_description block = d.group_block();

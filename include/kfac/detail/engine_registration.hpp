@@ -112,6 +112,10 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_backend_supports(const st
         const std::string why = Backend::unsupported_layer(d);
         if (!why.empty()) throw layer_error(who, why);
     }
+    if constexpr (requires { method::unsupported_layer(d); }) {
+        const std::string why = method::unsupported_layer(d);
+        if (!why.empty()) throw layer_error(who, why);
+    }
     block_of(d).check_backend(who, d);
 }
 

@@ -167,6 +167,32 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
     if (!options_.overlap_communication) finish_second_order_broadcasts();
 }
 
+/// The scaling of every layer that kept rows at this step's capture, from those rows in the
+/// bases in force; a non-finite estimate leaves the scaling as it was and is counted as a
+/// skipped factor update. The rows are released either way.
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::update_scaling(const step_plan& plan, step_outcome& outcome) {
+    if constexpr (method_estimating_scaling<method>) {
+        for (auto& l : layers_) {
+            auto& w = l.scratch.method_ws;
+            if (!method::has_kept_rows(w)) continue;
+            if (l.state.has_second) {
+                bool finite = false;
+                in_layer(l, [&] {
+                    finite = method::estimate_scaling(l.state.second, l.host.description.group_block(), pass_loss_scale_, w);
+                });
+                if (finite)
+                    method::update_scaling(l.state.second, w, plan.factor_decay, /*restart=*/plan.inverse_update);
+                else
+                    outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
+            }
+            method::release_rows(w);
+        }
+    } else {
+        (void)plan, (void)outcome;
+    }
+}
+
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::finish_second_order_broadcasts() {
     if (!second_order_in_flight_) return;

@@ -28,6 +28,7 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
         if (!options_.damping.is_schedule()) detail::check_damping_representable<scalar_type>(options_.damping(0));
         if (!options_.loss_scale.is_schedule())
             detail::check_loss_scale_representable<scalar_type>(options_.loss_scale(0));
+        check_method_supported();
         check_eigenbasis_reuse_supported();
         check_damping_supported();
         skip_filter_ = skip_filter(options_);
@@ -42,6 +43,25 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
                         "without a payload device (Gloo), or use the CUDA backend");
     });
     staging_.follow(detail::reads_device_memory(comm_));
+}
+
+/// What compute::ekfac supports so far (kfac/compute/ekfac.hpp): one rank, one pass per step,
+/// the reference statistics and damping, new eigenvectors at every inverse update.
+template <class Backend, class CommPolicy, class ComputeMethod>
+void engine<Backend, CommPolicy, ComputeMethod>::check_method_supported() const {
+    if constexpr (method_estimating_scaling<method>) {
+        auto refuse = [](const std::string& what) {
+            throw error("compute::ekfac does not support " + what +
+                        " yet (kfac/compute/ekfac.hpp lists what it supports); use compute::eigendecomposition");
+        };
+        if (comm_.size() > 1) refuse("several ranks (this communicator has " + std::to_string(comm_.size()) + ")");
+        if (options_.accumulation_steps != 1)
+            refuse("options.accumulation_steps = " + std::to_string(options_.accumulation_steps));
+        if (options_.statistics != statistic_scale::reference) refuse("options.statistics other than reference");
+        if (damping_reads_factors(options_)) refuse("relative or factored damping");
+        if (options_.eigenbasis_reuse_tolerance != 0.0)
+            refuse("options.eigenbasis_reuse_tolerance (its scaling is re-estimated in every new eigenbasis)");
+    }
 }
 
 /// options.eigenbasis_reuse_tolerance keeps eigenvectors: the eigen method's, on a backend

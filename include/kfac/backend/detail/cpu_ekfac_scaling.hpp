@@ -1,0 +1,155 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file cpu_ekfac_scaling.hpp
+/// The scaling statistic of eigenvalue-corrected K-FAC (EKFAC: George, Laurent, Bouthillier,
+/// Ballas, Vincent, "Fast Approximate Natural Gradient Descent in a Kronecker-factored
+/// Eigenbasis", NeurIPS 2018) on the CPU, for a dense Kronecker block.
+///
+/// EKFAC keeps K-FAC's eigenbases Q_A and Q_G and replaces the Kronecker product of their
+/// eigenvalues by the second moment of the per-example gradients in that basis. With Γ_n the
+/// gradient example n contributes to the layer's weights (G_dim × A_dim, the bias column last),
+///
+///     Ŝᵀ = (1/N) Σ_n (Q_Aᵀ Γ_nᵀ Q_G)∘²        (A_dim × G_dim: the layout of Γᵀ, as the eigen
+///                                               method's D = 1/(λ_A λ_Gᵀ + γ) is laid out)
+///
+/// where ∘² squares elementwise and N is the number of examples. Γ_n = Σ_r g_{n,r} ã_{n,r}ᵀ sums
+/// the example's positions r: the rows of a Linear layer's example ([N, positions..., in],
+/// weight sharing `expand`) or a convolution's output positions (ã_{n,r} the input patch of
+/// position r with the dilation the convolution applies, whatever options.conv_patches says
+/// for K-FAC's A, since this is the gradient itself; a 1 appended for the bias). Under weight
+/// sharing `reduce` an example is one row already (ĝ_n ā_nᵀ, the reduce definition's
+/// per-example gradient). g_{n,r} are the output gradients as the host gives them (with a mean
+/// loss, each carries its 1/N, as in K-FAC's G).
+///
+/// Cost. The rows are projected once, Ã = X̃ Q_A and G̃ = Y Q_G (N·R·(A_dim² + G_dim²) flops for
+/// R positions per example); then with one position Ŝᵀ = (Ã∘Ã)ᵀ (G̃∘G̃) / N, one more product of
+/// N·A_dim·G_dim; with R > 1 each example's Ã_nᵀ G̃_n (R·A_dim·G_dim) is formed and squared before
+/// the sum, N·R·A_dim·G_dim in all and an A_dim × G_dim scratch. Treating every position as an
+/// example of its own ((Ã∘Ã)ᵀ(G̃∘G̃) over all rows) would cost one product but drop the
+/// cross-position terms of (Σ_r ã g̃)², which a shared weight's gradient has.
+
+#include <cstdint>
+#include <string>
+
+#include <Eigen/Core>
+
+#include "kfac/backend/detail/cpu_statistics.hpp"
+#include "kfac/config.hpp"
+#include "kfac/layers/im2col.hpp"
+#include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/tensor_view.hpp"
+
+namespace kfac::backend::detail {
+
+/// Buffers accumulate_ekfac_scaling() reuses between calls.
+template <class Scalar>
+struct ekfac_scaling_scratch {
+    using matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+    matrix projected_a, projected_g;  ///< Ã (rows × A_dim) and G̃ (rows × G_dim), or one example's transposes
+    matrix example;                   ///< Ã_nᵀ G̃_n of one example (A_dim × G_dim)
+    cpu_workspace<Scalar> rows;       ///< patches and reduced rows (cpu_statistics)
+};
+
+/// s_t ← beta·s_t + Ŝᵀ (the file's definition) from one application's activations `a` and output
+/// gradients `g`, as the statistics read them (a convolution's [N, C, H, W] and [N, O, H', W'],
+/// a Conv1d's with a unit height), and the current eigenbases q_a (A_dim × A_dim) and q_g
+/// (G_dim × G_dim). beta = 0 overwrites s_t without reading it.
+/// @throws kfac::error for a layer whose factors are not a dense Kronecker pair of one group
+///         (an Embedding, a normalisation layer, a grouped convolution's whole layer), or bases
+///         or a sum of the wrong size.
+template <class Scalar>
+void accumulate_ekfac_scaling(Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& s_t, const layer_description& d,
+                              tensor_view<const Scalar> a, tensor_view<const Scalar> g,
+                              const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& q_a,
+                              const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& q_g, Scalar beta,
+                              ekfac_scaling_scratch<Scalar>& ws) {
+    using index = std::int64_t;
+    using matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+    using rows_map = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+    using statistics = cpu_statistics<Scalar>;
+
+    const bool dense_pair = d.kind == layer_kind::linear || (is_convolution(d.kind) && d.conv.groups == 1);
+    if (!dense_pair)
+        throw error(std::string("EKFAC's scaling is defined for a dense Kronecker pair (Linear, or one group of a "
+                                "convolution); layer kind '") +
+                    kind_name(d.kind) + "'" +
+                    (is_convolution(d.kind) ? " with " + std::to_string(d.conv.groups) +
+                                                  " groups has one per group: pass each group's block "
+                                                  "(layer_description::group_block()) and its channels"
+                                            : " has none: use another compute method for it"));
+    const index cols = d.weight_columns(), a_dim = d.a_dim(), g_dim = d.g_dim();
+    if (q_a.rows() != a_dim || q_a.cols() != a_dim || q_g.rows() != g_dim || q_g.cols() != g_dim ||
+        (beta != Scalar(0) && (s_t.rows() != a_dim || s_t.cols() != g_dim)))
+        throw error("EKFAC's scaling of a layer with A_dim " + std::to_string(a_dim) + " and G_dim " +
+                    std::to_string(g_dim) + " got Q_A " + std::to_string(q_a.rows()) + "x" + std::to_string(q_a.cols()) +
+                    ", Q_G " + std::to_string(q_g.rows()) + "x" + std::to_string(q_g.cols()) + " and a sum " +
+                    std::to_string(s_t.rows()) + "x" + std::to_string(s_t.cols()) +
+                    ": pass the layer's current eigenbases and an A_dim x G_dim sum");
+    if (beta == Scalar(0)) s_t = matrix::Zero(a_dim, g_dim);
+    else s_t *= beta;
+
+    // Q_A's rows of the weight columns, and its bias row: x̃ᵀQ_A = xᵀ Q_A[:cols] + Q_A[cols] for x̃ = [x; 1].
+    const auto weights_a = q_a.topRows(cols);
+    auto project_a = [&](const auto& x_rows, matrix& out) {  // rows × cols → rows × A_dim
+        out.noalias() = x_rows * weights_a;
+        if (d.bias) out.rowwise() += q_a.row(cols);
+    };
+    const index n = kfac::detail::examples_in(d, a);
+    if (n == 0) return;
+    const Scalar inv_n = Scalar(1) / static_cast<Scalar>(n);
+
+    // One row per example: Ŝᵀ = (Ã∘Ã)ᵀ (G̃∘G̃) / N.
+    auto add_single_rows = [&](const auto& x_rows, const auto& y_rows) {
+        project_a(x_rows, ws.projected_a);
+        ws.projected_g.noalias() = y_rows * q_g;
+        s_t.noalias() += inv_n * (ws.projected_a.array().square().matrix().transpose() *
+                                  ws.projected_g.array().square().matrix());
+    };
+
+    if (d.sharing == weight_sharing::reduce) {
+        statistics::reduce_inputs(d, a, conv_patch_mode::dilated, ws.rows);
+        const matrix x = rows_map(ws.rows.reduced.data(), n, cols);
+        statistics::reduce_gradients(d, g, ws.rows);
+        add_single_rows(x, rows_map(ws.rows.reduced.data(), n, d.out));
+        return;
+    }
+    if (d.kind == layer_kind::linear) {
+        const index rows = a.size() / cols, positions = rows / n;
+        const rows_map x(a.data, rows, cols), y(g.data, rows, d.out);
+        if (positions == 1) {
+            add_single_rows(x, y);
+            return;
+        }
+        project_a(x, ws.projected_a);
+        ws.projected_g.noalias() = y * q_g;
+        for (index e = 0; e < n; ++e) {
+            ws.example.noalias() = ws.projected_a.middleRows(e * positions, positions).transpose() *
+                                   ws.projected_g.middleRows(e * positions, positions);
+            s_t.noalias() += inv_n * ws.example.array().square().matrix();
+        }
+        return;
+    }
+    // Convolution: example e's patches P_e (cols × R, R its output positions) and output
+    // gradients Y_e (O × R); Ã_eᵀ = Q_A[:cols]ᵀ P_e (+ the bias row), G̃_eᵀ = Q_Gᵀ Y_e.
+    const index channels = a.extent(1), height = a.extent(2), width = a.extent(3);
+    const patch_grid grid = make_patch_grid(d.conv, height, width, conv_patch_mode::dilated);
+    const index positions = grid.positions();
+    if (positions != g.extent(2) * g.extent(3))
+        throw error("EKFAC's scaling: the convolution's " + std::to_string(positions) +
+                    " patch positions differ from its output gradients' " + std::to_string(g.extent(2) * g.extent(3)) +
+                    ": pass the activations and output gradients of one application");
+    ws.rows.patches.resize(static_cast<std::size_t>(cols * positions));
+    for (index e = 0; e < n; ++e) {
+        extract_patches_transposed(a.data, channels, height, width, d.conv, grid, e * grid.rows, grid.rows,
+                                   ws.rows.patches.data(), positions);
+        const rows_map patches(ws.rows.patches.data(), cols, positions);
+        const rows_map y(g.data + e * d.out * positions, d.out, positions);
+        ws.projected_a.noalias() = weights_a.transpose() * patches;  // A_dim × R
+        if (d.bias) ws.projected_a.colwise() += q_a.row(cols).transpose();
+        ws.projected_g.noalias() = q_g.transpose() * y;  // G_dim × R
+        ws.example.noalias() = ws.projected_a * ws.projected_g.transpose();
+        s_t.noalias() += inv_n * ws.example.array().square().matrix();
+    }
+}
+
+}  // namespace kfac::backend::detail

@@ -1,0 +1,205 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+/// @file ekfac.hpp
+/// Compute method: eigenvalue-corrected K-FAC (EKFAC; George, Laurent, Bouthillier, Ballas,
+/// Vincent, "Fast Approximate Natural Gradient Descent in a Kronecker-factored Eigenbasis",
+/// NeurIPS 2018). The ComputeMethod policy contract is documented in
+/// kfac/compute/eigendecomposition.hpp.
+///
+/// The eigenbases Q_A and Q_G are the eigen method's (computed at inverse updates, from the
+/// same running factors). The Kronecker product of their eigenvalues is replaced by a scaling
+/// S, one entry per weight (Sᵀ is A_dim × G_dim, the layout of Γᵀ): the running average of the
+/// second moment of the per-example gradients in the eigenbasis,
+///
+///     Ŝᵀ = (1/N) Σ_n (Q_Aᵀ Γ_nᵀ Q_G)∘²        (kfac/backend/detail/cpu_ekfac_scaling.hpp)
+///
+/// estimated at every factor update from the step's activations and output gradients in the
+/// bases in force after that step's inverse update: S ← Ŝ at a step that computed new bases
+/// (the paper re-estimates the scaling in each new eigenbasis), S ← ξS + (1 − ξ)Ŝ at the other
+/// factor updates (ξ = options.factor_decay, as the factors'). Until a factor update estimates
+/// it, S = λ_A λ_Gᵀ (K-FAC's own scaling: an inverse update on a step without a factor update,
+/// identity factors). The gradient is preconditioned as
+///
+///     Pᵀ = Q_A ((Q_Aᵀ Γᵀ Q_G) ⊘ (Sᵀ + γ)) Q_Gᵀ,
+///
+/// dividing by the step's damping γ at every step (no product is precomputed: S changes at every
+/// factor update), then kl_clip as under the other methods. With S = λ_A λ_Gᵀ this is, bit for
+/// bit, the eigen method with compute_eigenvalue_outer_product = false.
+///
+/// What it supports so far (each other case is refused by name when the preconditioner is
+/// built or a layer registered): the CPU backend; one process (a communicator of one rank);
+/// layers whose factors are a dense Kronecker pair of one group (Linear, Conv1d, Conv2d), with
+/// weight sharing expand or reduce, applied once per pass; options.accumulation_steps = 1,
+/// the reference statistics and the reference damping.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kfac/backend/cpu_eigen.hpp"
+#include "kfac/backend/detail/cpu_ekfac_scaling.hpp"
+#include "kfac/checkpoint/second_order_checks.hpp"
+#include "kfac/compute/eigendecomposition.hpp"
+#include "kfac/detail/compute_impl.hpp"
+#include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/tensor_view.hpp"
+#include "kfac/options.hpp"
+
+namespace kfac {
+namespace compute {
+
+/// Eigenvalue-corrected K-FAC: the eigen method's bases with a scaling S re-estimated from the
+/// per-example gradients at every factor update (this file's comment says how, and what it
+/// supports).
+struct ekfac {
+    /// The method's name, as checkpoints record it (compute_method) and the ranks agree on.
+    static constexpr const char* name = "ekfac";
+};
+
+}  // namespace compute
+
+namespace detail {
+
+/// The primary template: EKFAC on a backend that has no scaling statistic yet.
+template <class Backend>
+struct compute_impl<compute::ekfac, Backend> {
+    static_assert(dependent_false<Backend>,
+                  "kfac: compute::ekfac runs on the CPU backend (backend::cpu_eigen) so far; use "
+                  "compute::eigendecomposition on this backend");
+};
+
+template <class Scalar>
+struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
+    : compute_impl<compute::eigendecomposition, backend::cpu_eigen<Scalar>> {
+    using Backend = backend::cpu_eigen<Scalar>;
+    using eigen = compute_impl<compute::eigendecomposition, Backend>;
+    using tag = compute::ekfac;
+    using typename eigen::factor_data;
+    using typename eigen::matrix;
+    using typename eigen::scalar;
+    using typename eigen::vector;
+
+    /// Whether a method re-estimates a scaling at factor updates (the engine's update_scaling()).
+    static constexpr bool estimates_scaling = true;
+
+    struct layer_data {
+        factor_data a, g;
+        matrix scaling;  ///< Sᵀ (A_dim × G_dim)
+        /// Named by the blocks under the eigen method; always empty here (nothing precomputed).
+        matrix inverse_eigen_product;
+        bool has_product = false;
+    };
+    /// Preconditioning scratch, and one pass's activations and output gradients kept from the
+    /// capture to the scaling's estimate (after the step's inverse update).
+    struct workspace {
+        matrix t1, t2;
+        std::vector<scalar> kept_activations, kept_gradients;
+        tensor_view<const scalar> activations, output_gradients;  ///< views of the kept copies
+        backend::detail::ekfac_scaling_scratch<scalar> scaling_ws;
+        matrix estimate;  ///< Ŝᵀ of the step
+    };
+
+    /// No product is precomputed: S starts as λ_A λ_Gᵀ, K-FAC's scaling, until estimated.
+    static void finalize_eigen_product(layer_data& l, double, const options&) {
+        l.has_product = false;
+        l.inverse_eigen_product.resize(0, 0);
+        l.scaling = l.a.lambda * l.g.lambda.transpose();
+    }
+    /// Whether the data's D = 1/(λ_A λ_Gᵀ + γ) is precomputed: never.
+    static bool keeps_product(const options&) { return false; }
+    /// Sizes the data beyond the eigen method's (the blocks' prepare_receive()).
+    static void size_extras(layer_data& l, std::int64_t a_dim, std::int64_t g_dim) { l.scaling.resize(a_dim, g_dim); }
+
+    /// V'ᵀ ← Vᵀ ⊘ (Sᵀ + γ).
+    static void divide_by_damped_eigenvalues(const layer_data& l, double damping, matrix& v_t) {
+        v_t.array() /= (l.scaling.array() + static_cast<scalar>(damping));
+    }
+
+    /// The eigen method's payloads (one rank: never sent so far).
+    template <class F>
+    static void for_each_payload(layer_data& l, factor_side side, F&& f) {
+        auto send = [&](auto& m) {
+            if (m.size() != 0) f(m.data(), static_cast<std::size_t>(m.size()));
+        };
+        if (side == factor_side::a) {
+            send(l.a.q);
+            send(l.a.lambda);
+        } else {
+            send(l.g.q);
+            send(l.g.lambda);
+            send(l.scaling);
+        }
+    }
+
+    template <class LayerData, class F>
+    static void for_each_tensor(LayerData& l, F&& f) {
+        eigen::for_each_tensor(l, f);
+        f("scaling", l.scaling, 2);
+    }
+
+    /// The eigen method's checks, and a scaling of second moments (no negative entry).
+    static checkpoint::second_order_fault loaded_fault(const checkpoint::loaded_second_order& in) {
+        if (checkpoint::second_order_fault fault = eigen::loaded_fault(in)) return fault;
+        if (const checkpoint::tensor* s = in.tensor_named("scaling")) {
+            const std::vector<double> v = s->values<double>();
+            for (std::size_t i = 0; i < v.size(); ++i)
+                if (!(v[i] >= 0.0))
+                    return {"scaling", "holds " + checkpoint::second_order_detail::text(v[i]) + " at [" +
+                                           std::to_string(i) + "]; a scaling is a mean of squares, >= 0"};
+        }
+        return {};
+    }
+
+    /// Why a layer of description `d` cannot be preconditioned by EKFAC (empty: it can).
+    static std::string unsupported_layer(const layer_description& d) {
+        if (d.kind != layer_kind::linear && !is_convolution(d.kind))
+            return std::string("compute::ekfac preconditions layers whose factors are a dense Kronecker pair "
+                               "(Linear, Conv1d, Conv2d); this layer's kind, ") +
+                   kind_name(d.kind) + ", has none: skip it (options.skip_layers) or use compute::eigendecomposition";
+        if (d.groups() > 1)
+            return "compute::ekfac does not support grouped convolutions yet (groups = " + std::to_string(d.groups()) +
+                   "): skip it (options.skip_layers) or use compute::eigendecomposition";
+        return {};
+    }
+
+    /// Keeps copies of one application's views (as the statistics read them) for the estimate.
+    static void keep_rows(workspace& w, tensor_view<const scalar> a, tensor_view<const scalar> g) {
+        w.kept_activations.assign(a.data, a.data + a.size());
+        w.kept_gradients.assign(g.data, g.data + g.size());
+        w.activations = a;
+        w.activations.data = w.kept_activations.data();
+        w.output_gradients = g;
+        w.output_gradients.data = w.kept_gradients.data();
+    }
+    [[nodiscard]] static bool has_kept_rows(const workspace& w) { return !w.kept_activations.empty(); }
+    static void release_rows(workspace& w) {
+        w.kept_activations = {};
+        w.kept_gradients = {};
+        w.activations = {};
+        w.output_gradients = {};
+    }
+
+    /// w.estimate ← Ŝᵀ from the kept rows in l's bases, the output gradients' loss scale removed
+    /// (Ŝ is quadratic in them). False: it is not finite.
+    static bool estimate_scaling(const layer_data& l, const layer_description& d, double loss_scale, workspace& w) {
+        backend::detail::accumulate_ekfac_scaling(w.estimate, d, w.activations, w.output_gradients, l.a.q, l.g.q,
+                                                  scalar(0), w.scaling_ws);
+        if (loss_scale != 1.0) w.estimate *= static_cast<scalar>(1.0 / (loss_scale * loss_scale));
+        return w.estimate.allFinite();
+    }
+    /// S ← Ŝ (`restart`: the bases are new) or S ← ξS + (1 − ξ)Ŝ.
+    static void update_scaling(layer_data& l, const workspace& w, double decay, bool restart) {
+        if (restart) {
+            l.scaling = w.estimate;
+            return;
+        }
+        const auto xi = static_cast<scalar>(decay);
+        l.scaling = xi * l.scaling + (scalar(1) - xi) * w.estimate;
+    }
+};
+
+}  // namespace detail
+}  // namespace kfac

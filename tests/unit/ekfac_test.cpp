@@ -1,0 +1,177 @@
+// SPDX-License-Identifier: Apache-2.0
+// compute::ekfac (kfac/compute/ekfac.hpp) from its definition: the scaling S a step leaves is
+// the scaling statistic of that step's rows in the bases then in force (restarted at a new
+// basis, a running average otherwise); the gradient is divided by S + γ in the eigenbasis; with
+// S = λ_A λ_Gᵀ the method is the eigen method bit for bit; a checkpoint resumes it bit for bit;
+// what it does not support is refused by name.
+#include <catch2/catch.hpp>
+
+#include <kfac/backend/detail/cpu_ekfac_scaling.hpp>
+
+#include "unit/test_util.hpp"
+
+using namespace kfac_test;
+
+namespace {
+
+using ekfac_precond = kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, kfac::compute::ekfac>;
+
+/// New seeded values in the layer's buffers, in place (its views stay valid).
+void ekfac_refill(owned_layer<double>& l, std::uint32_t seed) {
+    const auto rows = static_cast<double>(l.input_shape.front());
+    auto fill = [](std::vector<double>& v, std::uint32_t s, double scale) {
+        const auto r = random_vector<double>(v.size(), s, scale);
+        std::copy(r.begin(), r.end(), v.begin());
+    };
+    fill(l.input, seed, 1.0);
+    fill(l.grad_output, seed + 1, 1.0 / rows);
+    fill(l.grad_weight, seed + 2, 0.1);
+    fill(l.grad_bias, seed + 3, 0.1);
+}
+
+/// The layer's gradient as Γᵀ (A_dim × G_dim): dWᵀ with db as the last row.
+mat<double> ekfac_gamma_t(const owned_layer<double>& l) {
+    const auto& d = l.view.description;
+    mat<double> g(d.a_dim(), d.g_dim());
+    for (std::int64_t o = 0; o < d.out; ++o) {
+        for (std::int64_t i = 0; i < d.in; ++i) g(i, o) = l.grad_weight[static_cast<std::size_t>(o * d.in + i)];
+        if (d.bias) g(d.in, o) = l.grad_bias[static_cast<std::size_t>(o)];
+    }
+    return g;
+}
+
+/// A saved tensor of `rows` × `cols` (C order) as a matrix.
+mat<double> ekfac_saved(const kfac::checkpoint::archive& a, const std::string& name, std::int64_t rows,
+                        std::int64_t cols) {
+    const auto* t = a.find(name);
+    REQUIRE(t != nullptr);
+    const std::vector<double> v = t->values<double>();
+    REQUIRE(static_cast<std::int64_t>(v.size()) == rows * cols);
+    return Eigen::Map<const row_mat<double>>(v.data(), rows, cols);
+}
+
+/// Ŝᵀ of the layer's current rows in bases q_a, q_g (the definition's kernel).
+mat<double> ekfac_estimate(const owned_layer<double>& l, const mat<double>& q_a, const mat<double>& q_g) {
+    mat<double> s;
+    kfac::backend::detail::ekfac_scaling_scratch<double> ws;
+    kfac::backend::detail::accumulate_ekfac_scaling(s, l.view.description, l.view.input, l.view.grad_output, q_a, q_g,
+                                                    0.0, ws);
+    return s;
+}
+
+}  // namespace
+
+TEST_CASE("ekfac: S is the step's scaling statistic in the new bases, then its running average", "[ekfac]") {
+    auto layer = random_linear<double>(12, 5, 4, true, 31);
+    const auto& d = layer.view.description;
+    kfac::options o;
+    o.inv_update_steps = 2;  // step 0: factors and bases; step 1: factors only
+    o.kl_clip = std::nullopt;
+    o.damping = 0.01;
+    ekfac_precond p(o);
+    p.register_layer("fc", layer.view);
+
+    p.step();  // S ← Ŝ₀ in the bases just computed
+    const auto first = kfac::checkpoint::parse(p.save_bytes(), "step 0");
+    const mat<double> q_a = ekfac_saved(first, "fc.A.eigenvectors", d.a_dim(), d.a_dim());
+    const mat<double> q_g = ekfac_saved(first, "fc.G.eigenvectors", d.g_dim(), d.g_dim());
+    const mat<double> s0 = ekfac_saved(first, "fc.scaling", d.a_dim(), d.g_dim());
+    CHECK(s0 == ekfac_estimate(layer, q_a, q_g));  // the same kernel on the same rows and bases
+
+    ekfac_refill(layer, 77);
+    const mat<double> gamma_t = ekfac_gamma_t(layer);
+    p.step();  // no new bases: S ← ξ S₀ + (1 − ξ) Ŝ₁
+    const auto second = kfac::checkpoint::parse(p.save_bytes(), "step 1");
+    CHECK(ekfac_saved(second, "fc.A.eigenvectors", d.a_dim(), d.a_dim()) == q_a);
+    const mat<double> s1 = ekfac_saved(second, "fc.scaling", d.a_dim(), d.g_dim());
+    const double xi = 0.95;  // options.factor_decay's default
+    const mat<double> expected = xi * s0 + (1.0 - xi) * ekfac_estimate(layer, q_a, q_g);
+    CHECK(s1 == expected);
+    CHECK(s1 != s0);
+
+    // Pᵀ = Q_A ((Q_Aᵀ Γᵀ Q_G) ⊘ (Sᵀ + γ)) Q_Gᵀ, computed here with Eigen's products where the
+    // backend uses BLAS: each of the four products of orthonormal bases adds at most
+    // (A_dim + G_dim)·u of the largest entry, and the division is exact to u, so 10 × 4 × 11 × u
+    // bounds the difference relative to max|P| (no kl_clip: the gradient is P itself).
+    const mat<double> v = q_a.transpose() * gamma_t * q_g;
+    const mat<double> p_t = q_a * (v.array() / (s1.array() + 0.01)).matrix() * q_g.transpose();
+    const mat<double> got = ekfac_gamma_t(layer);
+    CHECK(rel_err(got.reshaped(), p_t.reshaped()) < 440 * eps<double>());
+}
+
+TEST_CASE("ekfac: with S = λ_A λ_Gᵀ it is the eigen method bit for bit, and not with its own S", "[ekfac]") {
+    // factor_update_steps 2 and inv_update_steps 3: step 3 computes new bases without a factor
+    // update, so EKFAC's S is K-FAC's λ_A λ_Gᵀ there; at step 0 it is the estimate.
+    kfac::options o;
+    o.factor_update_steps = 2;
+    o.inv_update_steps = 3;
+    o.compute_eigenvalue_outer_product = false;  // the eigen method then divides, as EKFAC does
+    auto run = [&](auto& p, owned_layer<double>& layer) {
+        p.register_layer("fc", layer.view);
+        std::vector<mat<double>> grads;
+        for (std::uint32_t k = 0; k < 4; ++k) {
+            ekfac_refill(layer, 500 + 10 * k);
+            p.step();
+            grads.push_back(ekfac_gamma_t(layer));
+        }
+        return grads;
+    };
+    auto a = random_linear<double>(10, 6, 3, true, 5), b = a;
+    a.bind();
+    b.bind();
+    ekfac_precond ekfac(o);
+    kfac::KFAC<kfac::backend::cpu_eigen<double>> eigen(o);
+    const auto by_ekfac = run(ekfac, a), by_eigen = run(eigen, b);
+    CHECK(by_ekfac[0] != by_eigen[0]);  // S = Ŝ₀ at step 0
+    CHECK(by_ekfac[3] == by_eigen[3]);  // S = λ_A λ_Gᵀ at step 3
+}
+
+TEST_CASE("ekfac: a checkpoint resumes it bit for bit", "[ekfac][checkpoint]") {
+    kfac::options o;
+    o.inv_update_steps = 3;
+    auto run = [&](ekfac_precond& p, owned_layer<double>& layer, std::uint32_t from, std::uint32_t to) {
+        std::vector<mat<double>> grads;
+        for (std::uint32_t k = from; k < to; ++k) {
+            ekfac_refill(layer, 900 + 10 * k);
+            p.step();
+            grads.push_back(ekfac_gamma_t(layer));
+        }
+        return grads;
+    };
+    auto whole_layer = random_linear<double>(9, 4, 5, true, 8), split_layer = whole_layer;
+    whole_layer.bind();
+    split_layer.bind();
+    ekfac_precond whole(o), before(o), after(o);
+    whole.register_layer("fc", whole_layer.view);
+    before.register_layer("fc", split_layer.view);
+    after.register_layer("fc", split_layer.view);
+    const auto expected = run(whole, whole_layer, 0, 7);
+    run(before, split_layer, 0, 4);  // the save falls between two inverse updates
+    after.load_bytes(before.save_bytes());
+    const auto resumed = run(after, split_layer, 4, 7);
+    for (std::size_t k = 0; k < resumed.size(); ++k) CHECK(resumed[k] == expected[4 + k]);
+    CHECK(whole.save_bytes() == after.save_bytes());
+}
+
+TEST_CASE("ekfac: what it does not support is refused by name", "[ekfac][errors]") {
+    kfac::options o;
+    auto embedding = random_embedding<double>(10, 4, 3, 2, 1, 1);
+    ekfac_precond p(o);
+    CHECK_THROWS_WITH(p.register_layer("emb", embedding.view),
+                      Catch::Contains("'emb'") && Catch::Contains("compute::ekfac preconditions layers whose factors "
+                                                                  "are a dense Kronecker pair"));
+    auto grouped = random_conv<double>(2, 4, 4, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 2}, true, 6, 6, 3);
+    CHECK_THROWS_WITH(p.register_layer("conv", grouped.view),
+                      Catch::Contains("grouped convolutions") && Catch::Contains("options.skip_layers"));
+    kfac::options skipping;
+    skipping.skip_layers = {"emb"};  // the fix the message gives
+    ekfac_precond q(skipping);
+    CHECK_FALSE(q.register_layer("emb", embedding.view));
+    kfac::options accumulating;
+    accumulating.accumulation_steps = 2;
+    CHECK_THROWS_WITH(ekfac_precond(accumulating), Catch::Contains("compute::ekfac does not support "
+                                                                   "options.accumulation_steps = 2"));
+    kfac::options factored;
+    factored.damping_mode = kfac::damping_form::factored;
+    CHECK_THROWS_WITH(ekfac_precond(factored), Catch::Contains("relative or factored damping"));
+}
