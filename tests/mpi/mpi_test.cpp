@@ -1053,6 +1053,109 @@ TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one proc
     }
 }
 
+TEST_CASE("EKFAC under COMM_OPT: ranks with different batches equal one process with all of them", "[mpi][ekfac]") {
+    // Rank r holds N_r = 2 + r examples of a Conv1d and of a Linear over 4 tokens (weight sharing
+    // expand: each example's gradient sums its tokens). Each rank estimates the scaling from its
+    // own examples in the bases every rank holds under COMM_OPT; the ranks' estimates weighted by
+    // their examples average to the estimate over all of them, one process's. Step 0 computes
+    // bases and S afresh, step 1 averages S into the old bases, step 2 again afresh.
+    const int world = world_size(), me = world_rank();
+    const std::int64_t c = 2, len = 9, c_out = 3, k = 3, r = 4, in = 5, out = 2;
+    const kfac::conv1d_geometry geometry{k, 1, 1, 1, 1};
+    const std::int64_t lo = kfac::conv_output_extent(len, k, 1, 1, 1);
+    auto examples_of = [](int rank) { return std::int64_t{2} + rank; };
+    auto fill = [](owned_layer<double>& l, std::int64_t first, std::int64_t count, std::uint32_t seed,
+                   std::vector<std::int64_t> in_tail, std::vector<std::int64_t> out_tail) {
+        std::size_t in_n = 1, out_n = 1;
+        for (auto e : in_tail) in_n *= static_cast<std::size_t>(e);
+        for (auto e : out_tail) out_n *= static_cast<std::size_t>(e);
+        l.input.clear();
+        l.grad_output.clear();
+        for (std::int64_t e = first; e < first + count; ++e) {
+            const auto x = random_vector<double>(in_n, seed + static_cast<std::uint32_t>(e));
+            const auto g = random_vector<double>(out_n, seed + 100 + static_cast<std::uint32_t>(e), 0.1);
+            l.input.insert(l.input.end(), x.begin(), x.end());
+            l.grad_output.insert(l.grad_output.end(), g.begin(), g.end());
+        }
+        in_tail.insert(in_tail.begin(), count);
+        out_tail.insert(out_tail.begin(), count);
+        l.input_shape = in_tail;
+        l.output_shape = out_tail;
+    };
+    auto load = [&](owned_layer<double>& conv, owned_layer<double>& seq, std::int64_t from, std::int64_t count,
+                    std::uint32_t step) {
+        fill(conv, from, count, 1000 * step + 100, {c, len}, {c_out, lo});
+        fill(seq, from, count, 1000 * step + 300, {r, in}, {r, out});
+        conv.grad_weight = random_vector<double>(static_cast<std::size_t>(c_out * c * k), 500 + step, 0.1);
+        conv.grad_bias = random_vector<double>(static_cast<std::size_t>(c_out), 600 + step, 0.1);
+        seq.grad_weight = random_vector<double>(static_cast<std::size_t>(out * in), 700 + step, 0.1);
+        seq.grad_bias = random_vector<double>(static_cast<std::size_t>(out), 800 + step, 0.1);
+        conv.bind();
+        conv.view.grad_weight = kfac::tensor_view<double>(conv.grad_weight.data(), {c_out, c, k});
+        seq.bind();
+    };
+    std::int64_t first = 0, total = 0;
+    for (int q = 0; q < world; ++q) {
+        if (q < me) first += examples_of(q);
+        total += examples_of(q);
+    }
+    kfac::options o;  // KAISA, grad_worker_fraction = 1 (COMM_OPT)
+    o.damping = 0.01;
+    o.inv_update_steps = 2;
+    mpi_kfac<kfac::compute::ekfac> p(o, make_comm());
+    kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, kfac::compute::ekfac> whole(o);
+    owned_layer<double> conv, seq, conv_all, seq_all;
+    for (auto* l : {&conv, &conv_all}) l->view.description = kfac::conv1d_description(c, c_out, geometry, true);
+    for (auto* l : {&seq, &seq_all}) l->view.description = kfac::linear_description(in, out, true);
+    p.register_layer("conv", conv.view);
+    p.register_layer("seq", seq.view);
+    whole.register_layer("conv", conv_all.view);
+    whole.register_layer("seq", seq_all.view);
+    for (std::uint32_t step = 0; step < 3; ++step) {
+        INFO("step " << step);
+        load(conv, seq, first, examples_of(me), step);
+        load(conv_all, seq_all, 0, total, step);
+        p.step();
+        whole.step();
+        // The factors are summed in another order (per rank, then across): ~1e-15 relative. Unlike
+        // K-FAC's P, EKFAC's S is not invariant under a rotation of the bases, and the eigenvectors
+        // move by that perturbation over the relative eigengap (Davis–Kahan): with κ = λ_max / min
+        // gap of a layer's factors, the bases, S and P (S enters through a division damped by
+        // γ = 0.01, ≤ 10² amplification) differ by about 1e-15 · κ · 10², bounded by 1e-12 · κ
+        // (+ 1e-10, the eigen method's bound for these layers). An estimate not weighted by the
+        // ranks' examples misses it by orders of magnitude more.
+        auto conditioning = [&](const std::string& name) {
+            double kappa = 1.0;
+            for (const bool a : {true, false}) {
+                const mat<double> f = a ? whole.a_factor(name) : whole.g_factor(name);
+                Eigen::SelfAdjointEigenSolver<mat<double>> solver(f);
+                const auto& lambda = solver.eigenvalues();
+                double gap = std::numeric_limits<double>::infinity();
+                for (Eigen::Index i = 1; i < lambda.size(); ++i) gap = std::min(gap, lambda(i) - lambda(i - 1));
+                kappa = std::max(kappa, lambda.cwiseAbs().maxCoeff() / gap);
+            }
+            return kappa;
+        };
+        const double conv_tolerance = 1e-10 + 1e-12 * conditioning("conv");
+        const double seq_tolerance = 1e-10 + 1e-12 * conditioning("seq");
+        INFO("tolerances " << conv_tolerance << ", " << seq_tolerance);
+        CHECK(buffer_rel_err(conv.grad_weight, conv_all.grad_weight) < conv_tolerance);
+        CHECK(buffer_rel_err(conv.grad_bias, conv_all.grad_bias) < conv_tolerance);
+        CHECK(buffer_rel_err(seq.grad_weight, seq_all.grad_weight) < seq_tolerance);
+    }
+}
+
+TEST_CASE("EKFAC on several ranks refuses strategies other than COMM_OPT on every rank", "[mpi][ekfac][errors]") {
+    if (world_size() == 1) return;  // one process takes every strategy (the test above)
+    kfac::options mem;
+    mem.grad_worker_fraction = kfac::mem_opt;
+    CHECK_THROWS_WITH(mpi_kfac<kfac::compute::ekfac>(mem, make_comm()),
+                      Contains("compute::ekfac does not support several ranks under KAISA with grad_worker_fraction = 0"));
+    kfac::options dp;
+    dp.strategy = kfac::distribution::dp_kfac;
+    CHECK_THROWS_WITH(mpi_kfac<kfac::compute::ekfac>(dp, make_comm()), Contains("several ranks under DP-KFAC"));
+}
+
 TEMPLATE_TEST_CASE("Embedding layers: ranks with different token counts equal one process with all of them",
                    "[mpi][embedding]", kfac::compute::eigendecomposition, kfac::compute::inverse) {
     // Rank r holds R_r = 3 + 2r token positions; its statistics weigh by R_r (every token is a

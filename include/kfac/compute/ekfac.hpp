@@ -27,7 +27,9 @@
 /// bit, the eigen method with compute_eigenvalue_outer_product = false.
 ///
 /// What it supports so far (each other case is refused by name when the preconditioner is
-/// built or a layer registered): the CPU backend; one process (a communicator of one rank);
+/// built or a layer registered): the CPU backend; one process, or several under KAISA's COMM_OPT
+/// (grad_worker_fraction = 1: every rank holds every layer's bases, estimates S from its own
+/// examples, and one allreduce per factor update averages the estimates by examples);
 /// layers whose factors are a dense Kronecker pair of one group (Linear, Conv1d, Conv2d), with
 /// weight sharing expand or reduce, applied once per pass; options.accumulation_steps = 1,
 /// the reference statistics and the reference damping.
@@ -118,7 +120,8 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
         v_t.array() /= (l.scaling.array() + static_cast<scalar>(damping));
     }
 
-    /// The eigen method's payloads (one rank: never sent so far).
+    /// The eigen method's payloads, and S (K-FAC's λ_A λ_Gᵀ at an inverse update, which a
+    /// receiver uses until the next factor update re-estimates it on every rank).
     template <class F>
     static void for_each_payload(layer_data& l, factor_side side, F&& f) {
         auto send = [&](auto& m) {

@@ -39,6 +39,9 @@
 ///                       exist, and completed here one by one
 ///   update_second_order agree (decompositions), then per layer in registration order whose data
 ///                       is shared: broadcasts of the A payloads, then the G payloads (column group)
+///   update_scaling      compute::ekfac with several ranks (COMM_OPT) on factor-update steps:
+///                       the second-order broadcasts completed, then an allreduce_sum of every
+///                       layer's scaling estimate (times its examples) and the examples, bucketed
 ///   precondition_all    agree (preconditioning), per layer in order whose gradient is shared:
 ///                       a broadcast of Pᵀ (gradient group), then allreduce_max (unusable layers)
 ///   kl_clip_scale, commit: none (every rank holds every Pᵀ)
@@ -161,8 +164,8 @@ public:
     /// Waits for the second-order broadcasts update_second_order() left travelling, if any.
     void finish_second_order_broadcasts();
     /// Under a method that re-estimates a scaling at factor updates (compute::ekfac), each
-    /// layer's from the pass's rows in the bases now in force (after update_second_order());
-    /// nothing under the others.
+    /// layer's from the pass's rows in the bases now in force (after update_second_order()),
+    /// averaged over the ranks' examples; nothing under the others.
     void update_scaling(const step_plan& plan, step_outcome& outcome);
     /// Pᵀ of every layer, shared from the gradient workers; unusable layers zeroed.
     void precondition_all(const step_plan& plan, step_outcome& outcome);

@@ -11,6 +11,7 @@
 #include "kfac/backend/batched_eigen.hpp"
 #include "kfac/compute/eigendecomposition.hpp"
 #include "kfac/detail/engine.hpp"
+#include "kfac/detail/statistics_views.hpp"
 
 namespace kfac::detail {
 
@@ -167,27 +168,75 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
     if (!options_.overlap_communication) finish_second_order_broadcasts();
 }
 
-/// The scaling of every layer that kept rows at this step's capture, from those rows in the
-/// bases in force; a non-finite estimate leaves the scaling as it was and is counted as a
-/// skipped factor update. The rows are released either way.
+/// The scaling of every layer that holds second-order data, from the rows this step's capture
+/// kept, in the bases in force. One rank: its estimate. Several (KAISA's COMM_OPT, where every
+/// rank holds every layer's bases): each rank's estimate times its examples, summed over the
+/// ranks with the examples in one bucketed allreduce, then divided by their sum, which is the
+/// estimate over every rank's examples; a rank without rows sends zeros. A non-finite estimate
+/// leaves the scaling as it was and is counted as a skipped factor update. The rows are released.
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::update_scaling(const step_plan& plan, step_outcome& outcome) {
     if constexpr (method_estimating_scaling<method>) {
-        for (auto& l : layers_) {
-            auto& w = l.scratch.method_ws;
-            if (!method::has_kept_rows(w)) continue;
-            if (l.state.has_second) {
-                bool finite = false;
-                in_layer(l, [&] {
-                    finite = method::estimate_scaling(l.state.second, l.host.description.group_block(), pass_loss_scale_, w);
-                });
-                if (finite)
-                    method::update_scaling(l.state.second, w, plan.factor_decay, /*restart=*/plan.inverse_update);
-                else
-                    outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
+        auto update = [&](layer_record& l, bool finite) {
+            if (finite)
+                method::update_scaling(l.state.second, l.scratch.method_ws, plan.factor_decay,
+                                       /*restart=*/plan.inverse_update);
+            else
+                outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
+        };
+        auto estimate = [&](layer_record& l) {
+            bool finite = false;
+            in_layer(l, [&] {
+                finite = method::estimate_scaling(l.state.second, l.host.description.group_block(), pass_loss_scale_,
+                                                  l.scratch.method_ws);
+            });
+            return finite;
+        };
+        if (comm_.size() == 1) {
+            for (auto& l : layers_) {
+                auto& w = l.scratch.method_ws;
+                if (method::has_kept_rows(w) && l.state.has_second) update(l, estimate(l));
+                method::release_rows(w);
             }
-            method::release_rows(w);
+            return;
         }
+        finish_second_order_broadcasts();  // the bases every rank projects its rows into
+        std::vector<std::size_t> estimated;
+        std::vector<scalar_type> examples;
+        std::vector<allreduce_item<scalar_type>> items;
+        for (std::size_t i = 0; i < layers_.size(); ++i) {
+            auto& l = layers_[i];
+            if (!l.state.has_second) continue;  // on no rank (every rank holds every layer's data)
+            auto& w = l.scratch.method_ws;
+            scalar_type n = 0;
+            if (method::has_kept_rows(w)) {
+                estimate(l);  // a non-finite sum is found after the allreduce, by every rank
+                n = static_cast<scalar_type>(examples_in(l.host.description, w.activations));
+                w.estimate *= n;
+            } else {
+                const auto& d = l.host.description;
+                w.estimate = Backend::zeros(d.a_dim(), d.g_dim());
+            }
+            estimated.push_back(i);
+            examples.push_back(n);
+            items.push_back({w.estimate.data(), static_cast<std::size_t>(w.estimate.size()), false, 0});
+        }
+        if (estimated.empty()) {  // no layer holds data yet, on any rank: no collective
+            for (auto& l : layers_) method::release_rows(l.scratch.method_ws);
+            return;
+        }
+        items.push_back({examples.data(), examples.size(), false, 0});
+        comm::announce_phase(comm_, "the EKFAC scaling's allreduce");
+        comm_.allreduce_sum(items, factor_bucket_cap_bytes(), false, comm_.world());
+        for (std::size_t k = 0; k < estimated.size(); ++k) {
+            auto& l = layers_[estimated[k]];
+            auto& w = l.scratch.method_ws;
+            if (examples[k] > scalar_type(0)) {
+                w.estimate /= examples[k];
+                update(l, w.estimate.allFinite());
+            }
+        }
+        for (auto& l : layers_) method::release_rows(l.scratch.method_ws);
     } else {
         (void)plan, (void)outcome;
     }

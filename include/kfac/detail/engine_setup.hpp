@@ -45,7 +45,7 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
     staging_.follow(detail::reads_device_memory(comm_));
 }
 
-/// What compute::ekfac supports so far (kfac/compute/ekfac.hpp): one rank, one pass per step,
+/// What compute::ekfac supports so far (kfac/compute/ekfac.hpp): one rank or KAISA's COMM_OPT, one pass per step,
 /// the reference statistics and damping, new eigenvectors at every inverse update.
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::check_method_supported() const {
@@ -54,7 +54,13 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_method_supported() const 
             throw error("compute::ekfac does not support " + what +
                         " yet (kfac/compute/ekfac.hpp lists what it supports); use compute::eigendecomposition");
         };
-        if (comm_.size() > 1) refuse("several ranks (this communicator has " + std::to_string(comm_.size()) + ")");
+        if (comm_.size() > 1 && (options_.strategy != distribution::kaisa || options_.grad_worker_fraction != comm_opt))
+            refuse(std::string("several ranks under ") +
+                   (options_.strategy == distribution::kaisa
+                        ? "KAISA with grad_worker_fraction = " + number_text(options_.grad_worker_fraction)
+                        : std::string("DP-KFAC")) +
+                   " (every rank projects its own examples into every layer's bases, which only KAISA's COMM_OPT, "
+                   "grad_worker_fraction = 1, gives every rank)");
         if (options_.accumulation_steps != 1)
             refuse("options.accumulation_steps = " + std::to_string(options_.accumulation_steps));
         if (options_.statistics != statistic_scale::reference) refuse("options.statistics other than reference");
