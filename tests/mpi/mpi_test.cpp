@@ -966,6 +966,34 @@ TEST_CASE("a layer with a gradient on some ranks only is an error on every rank"
     CHECK(p.steps() == 1);
 }
 
+namespace {
+
+/// Examples [first, first + count) of a batch spread over the ranks, each an input of `in_tail`
+/// extents and an output gradient of `out_tail` extents, into `l`: example e of the whole batch
+/// has the same data wherever it is held (seeded by seed + e).
+void fill_examples(owned_layer<double>& l, std::int64_t first, std::int64_t count, std::uint32_t seed,
+                   std::vector<std::int64_t> in_tail, std::vector<std::int64_t> out_tail) {
+    auto elements = [](const std::vector<std::int64_t>& tail) {
+        std::int64_t n = 1;
+        for (auto e : tail) n *= e;
+        return static_cast<std::size_t>(n);
+    };
+    l.input.clear();
+    l.grad_output.clear();
+    for (std::int64_t e = first; e < first + count; ++e) {
+        const auto x = random_vector<double>(elements(in_tail), seed + static_cast<std::uint32_t>(e));
+        const auto g = random_vector<double>(elements(out_tail), seed + 100 + static_cast<std::uint32_t>(e), 0.1);
+        l.input.insert(l.input.end(), x.begin(), x.end());
+        l.grad_output.insert(l.grad_output.end(), g.begin(), g.end());
+    }
+    in_tail.insert(in_tail.begin(), count);
+    out_tail.insert(out_tail.begin(), count);
+    l.input_shape = in_tail;
+    l.output_shape = out_tail;
+}
+
+}  // namespace
+
 TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one process with all of them", "[mpi][conv1d][weight_sharing]") {
     // Rank r holds N_r = 2 + r examples. Under every KAISA strategy the factors average the
     // ranks' statistics weighted by their examples (statistic_rows: the examples of a Conv1d
@@ -976,29 +1004,6 @@ TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one proc
     const kfac::conv1d_geometry geometry{k, 1, 1, 1, 1};
     const std::int64_t lo = kfac::conv_output_extent(len, k, 1, 1, 1);
     auto examples_of = [](int rank) { return std::int64_t{2} + rank; };
-    // Example e of the whole batch (over all ranks) has the same data wherever it is held:
-    // examples [first, first + count) of one layer, each an input of `in_tail` extents and an
-    // output gradient of `out_tail` extents.
-    auto fill_examples = [](owned_layer<double>& l, std::int64_t first, std::int64_t count, std::uint32_t seed,
-                            std::vector<std::int64_t> in_tail, std::vector<std::int64_t> out_tail) {
-        auto elements = [](const std::vector<std::int64_t>& tail) {
-            std::int64_t n = 1;
-            for (auto e : tail) n *= e;
-            return static_cast<std::size_t>(n);
-        };
-        l.input.clear();
-        l.grad_output.clear();
-        for (std::int64_t e = first; e < first + count; ++e) {
-            const auto x = random_vector<double>(elements(in_tail), seed + static_cast<std::uint32_t>(e));
-            const auto g = random_vector<double>(elements(out_tail), seed + 100 + static_cast<std::uint32_t>(e), 0.1);
-            l.input.insert(l.input.end(), x.begin(), x.end());
-            l.grad_output.insert(l.grad_output.end(), g.begin(), g.end());
-        }
-        in_tail.insert(in_tail.begin(), count);
-        out_tail.insert(out_tail.begin(), count);
-        l.input_shape = in_tail;
-        l.output_shape = out_tail;
-    };
     auto conv_data = [&](std::int64_t from, std::int64_t count, owned_layer<double>& l, std::uint32_t step) {
         fill_examples(l, from, count, 1000 * step + 100, {c, len}, {c_out, lo});
     };
@@ -1064,28 +1069,10 @@ TEST_CASE("EKFAC under COMM_OPT: ranks with different batches equal one process 
     const kfac::conv1d_geometry geometry{k, 1, 1, 1, 1};
     const std::int64_t lo = kfac::conv_output_extent(len, k, 1, 1, 1);
     auto examples_of = [](int rank) { return std::int64_t{2} + rank; };
-    auto fill = [](owned_layer<double>& l, std::int64_t first, std::int64_t count, std::uint32_t seed,
-                   std::vector<std::int64_t> in_tail, std::vector<std::int64_t> out_tail) {
-        std::size_t in_n = 1, out_n = 1;
-        for (auto e : in_tail) in_n *= static_cast<std::size_t>(e);
-        for (auto e : out_tail) out_n *= static_cast<std::size_t>(e);
-        l.input.clear();
-        l.grad_output.clear();
-        for (std::int64_t e = first; e < first + count; ++e) {
-            const auto x = random_vector<double>(in_n, seed + static_cast<std::uint32_t>(e));
-            const auto g = random_vector<double>(out_n, seed + 100 + static_cast<std::uint32_t>(e), 0.1);
-            l.input.insert(l.input.end(), x.begin(), x.end());
-            l.grad_output.insert(l.grad_output.end(), g.begin(), g.end());
-        }
-        in_tail.insert(in_tail.begin(), count);
-        out_tail.insert(out_tail.begin(), count);
-        l.input_shape = in_tail;
-        l.output_shape = out_tail;
-    };
     auto load = [&](owned_layer<double>& conv, owned_layer<double>& seq, std::int64_t from, std::int64_t count,
                     std::uint32_t step) {
-        fill(conv, from, count, 1000 * step + 100, {c, len}, {c_out, lo});
-        fill(seq, from, count, 1000 * step + 300, {r, in}, {r, out});
+        fill_examples(conv, from, count, 1000 * step + 100, {c, len}, {c_out, lo});
+        fill_examples(seq, from, count, 1000 * step + 300, {r, in}, {r, out});
         conv.grad_weight = random_vector<double>(static_cast<std::size_t>(c_out * c * k), 500 + step, 0.1);
         conv.grad_bias = random_vector<double>(static_cast<std::size_t>(c_out), 600 + step, 0.1);
         seq.grad_weight = random_vector<double>(static_cast<std::size_t>(out * in), 700 + step, 0.1);
