@@ -992,25 +992,40 @@ void fill_examples(owned_layer<double>& l, std::int64_t first, std::int64_t coun
     l.output_shape = out_tail;
 }
 
-}  // namespace
+/// A Conv1d(2 → 3, kernel 3, padding 1) over length 9 and a Linear(5 → 2) over 4 tokens, named
+/// "conv" and "seq", holding examples [from, from + count) of a batch spread over the ranks:
+/// rank r holds N_r = 2 + r of them, after the lower ranks' (fill_examples).
+struct conv1d_and_tokens {
+    static constexpr std::int64_t c = 2, len = 9, c_out = 3, k = 3, r = 4, in = 5, out = 2;
+    static constexpr kfac::conv1d_geometry geometry{k, 1, 1, 1, 1};
+    owned_layer<double> conv, seq;
 
-TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one process with all of them", "[mpi][conv1d][weight_sharing]") {
-    // Rank r holds N_r = 2 + r examples. Under every KAISA strategy the factors average the
-    // ranks' statistics weighted by their examples (statistic_rows: the examples of a Conv1d
-    // and of a reduce Linear, not its positions), which equals one process over every rank's
-    // examples; the preconditioned gradients must then agree with that process's.
-    const int world = world_size(), me = world_rank();
-    const std::int64_t c = 2, len = 9, c_out = 3, k = 3, r = 4, in = 5, out = 2;
-    const kfac::conv1d_geometry geometry{k, 1, 1, 1, 1};
-    const std::int64_t lo = kfac::conv_output_extent(len, k, 1, 1, 1);
-    auto examples_of = [](int rank) { return std::int64_t{2} + rank; };
-    auto conv_data = [&](std::int64_t from, std::int64_t count, owned_layer<double>& l, std::uint32_t step) {
-        fill_examples(l, from, count, 1000 * step + 100, {c, len}, {c_out, lo});
-    };
-    auto seq_data = [&](std::int64_t from, std::int64_t count, owned_layer<double>& l, std::uint32_t step) {
-        fill_examples(l, from, count, 1000 * step + 300, {r, in}, {r, out});
-    };
-    auto bind_all = [&](owned_layer<double>& conv, owned_layer<double>& seq, std::uint32_t step) {
+    conv1d_and_tokens() {
+        conv.view.description = kfac::conv1d_description(c, c_out, geometry, true);
+        seq.view.description = kfac::linear_description(in, out, true);
+    }
+    static std::int64_t examples_of(int rank) { return std::int64_t{2} + rank; }
+    /// The first example this rank holds, and the examples of all ranks.
+    static std::int64_t first_example() {
+        std::int64_t first = 0;
+        for (int q = 0; q < world_rank(); ++q) first += examples_of(q);
+        return first;
+    }
+    static std::int64_t total_examples() {
+        std::int64_t total = 0;
+        for (int q = 0; q < world_size(); ++q) total += examples_of(q);
+        return total;
+    }
+    template <class P>
+    void register_with(P& p) {
+        p.register_layer("conv", conv.view);
+        p.register_layer("seq", seq.view);
+    }
+    /// The step's examples [from, from + count) and fresh gradients.
+    void load(std::int64_t from, std::int64_t count, std::uint32_t step) {
+        const std::int64_t lo = kfac::conv_output_extent(len, k, 1, 1, 1);
+        fill_examples(conv, from, count, 1000 * step + 100, {c, len}, {c_out, lo});
+        fill_examples(seq, from, count, 1000 * step + 300, {r, in}, {r, out});
         conv.grad_weight = random_vector<double>(static_cast<std::size_t>(c_out * c * k), 500 + step, 0.1);
         conv.grad_bias = random_vector<double>(static_cast<std::size_t>(c_out), 600 + step, 0.1);
         seq.grad_weight = random_vector<double>(static_cast<std::size_t>(out * in), 700 + step, 0.1);
@@ -1018,12 +1033,21 @@ TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one proc
         conv.bind();
         conv.view.grad_weight = kfac::tensor_view<double>(conv.grad_weight.data(), {c_out, c, k});
         seq.bind();
-    };
-    std::int64_t first = 0, total = 0;
-    for (int q = 0; q < world; ++q) {
-        if (q < me) first += examples_of(q);
-        total += examples_of(q);
     }
+    /// This rank's share of the step.
+    void load_mine(std::uint32_t step) { load(first_example(), examples_of(world_rank()), step); }
+    /// Every rank's examples, as one process holds them.
+    void load_all(std::uint32_t step) { load(0, total_examples(), step); }
+};
+
+}  // namespace
+
+TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one process with all of them", "[mpi][conv1d][weight_sharing]") {
+    // Rank r holds N_r = 2 + r examples. Under every KAISA strategy the factors average the
+    // ranks' statistics weighted by their examples (statistic_rows: the examples of a Conv1d
+    // and of a reduce Linear, not its positions), which equals one process over every rank's
+    // examples; the preconditioned gradients must then agree with that process's.
+    const int world = world_size();
     for (double fraction : {kfac::comm_opt, kfac::hybrid_opt, kfac::mem_opt}) {
         if (fraction == kfac::hybrid_opt && world % 2 != 0 && world != 1) continue;
         INFO("fraction " << fraction);
@@ -1033,27 +1057,19 @@ TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one proc
         o.reduce_layers = {"^seq$"};
         mpi_kfac<> p(o, make_comm());
         kfac::KFAC<kfac::backend::cpu_eigen<double>> whole(o);
-        owned_layer<double> conv, seq, conv_all, seq_all;
-        for (auto* l : {&conv, &conv_all}) l->view.description = kfac::conv1d_description(c, c_out, geometry, true);
-        for (auto* l : {&seq, &seq_all}) l->view.description = kfac::linear_description(in, out, true);
-        p.register_layer("conv", conv.view);
-        p.register_layer("seq", seq.view);
-        whole.register_layer("conv", conv_all.view);
-        whole.register_layer("seq", seq_all.view);
+        conv1d_and_tokens mine, all;
+        mine.register_with(p);
+        all.register_with(whole);
         for (std::uint32_t step = 0; step < 2; ++step) {
-            conv_data(first, examples_of(me), conv, step);
-            seq_data(first, examples_of(me), seq, step);
-            conv_data(0, total, conv_all, step);
-            seq_data(0, total, seq_all, step);
-            bind_all(conv, seq, step);
-            bind_all(conv_all, seq_all, step);
+            mine.load_mine(step);
+            all.load_all(step);
             p.step();
             whole.step();
             // Sums in another order (per rank, then across): ~1e-15 relative in the factors,
             // amplified by the damped solve (≤ (λ_max + γ)/γ ≈ 10² here): 1e-10 bounds it.
-            CHECK(buffer_rel_err(conv.grad_weight, conv_all.grad_weight) < 1e-10);
-            CHECK(buffer_rel_err(seq.grad_weight, seq_all.grad_weight) < 1e-10);
-            CHECK(buffer_rel_err(seq.grad_bias, seq_all.grad_bias) < 1e-10);
+            CHECK(buffer_rel_err(mine.conv.grad_weight, all.conv.grad_weight) < 1e-10);
+            CHECK(buffer_rel_err(mine.seq.grad_weight, all.seq.grad_weight) < 1e-10);
+            CHECK(buffer_rel_err(mine.seq.grad_bias, all.seq.grad_bias) < 1e-10);
         }
     }
 }
@@ -1064,44 +1080,18 @@ TEST_CASE("EKFAC under COMM_OPT: ranks with different batches equal one process 
     // own examples in the bases every rank holds under COMM_OPT; the ranks' estimates weighted by
     // their examples average to the estimate over all of them, one process's. Step 0 computes
     // bases and S afresh, step 1 averages S into the old bases, step 2 again afresh.
-    const int world = world_size(), me = world_rank();
-    const std::int64_t c = 2, len = 9, c_out = 3, k = 3, r = 4, in = 5, out = 2;
-    const kfac::conv1d_geometry geometry{k, 1, 1, 1, 1};
-    const std::int64_t lo = kfac::conv_output_extent(len, k, 1, 1, 1);
-    auto examples_of = [](int rank) { return std::int64_t{2} + rank; };
-    auto load = [&](owned_layer<double>& conv, owned_layer<double>& seq, std::int64_t from, std::int64_t count,
-                    std::uint32_t step) {
-        fill_examples(conv, from, count, 1000 * step + 100, {c, len}, {c_out, lo});
-        fill_examples(seq, from, count, 1000 * step + 300, {r, in}, {r, out});
-        conv.grad_weight = random_vector<double>(static_cast<std::size_t>(c_out * c * k), 500 + step, 0.1);
-        conv.grad_bias = random_vector<double>(static_cast<std::size_t>(c_out), 600 + step, 0.1);
-        seq.grad_weight = random_vector<double>(static_cast<std::size_t>(out * in), 700 + step, 0.1);
-        seq.grad_bias = random_vector<double>(static_cast<std::size_t>(out), 800 + step, 0.1);
-        conv.bind();
-        conv.view.grad_weight = kfac::tensor_view<double>(conv.grad_weight.data(), {c_out, c, k});
-        seq.bind();
-    };
-    std::int64_t first = 0, total = 0;
-    for (int q = 0; q < world; ++q) {
-        if (q < me) first += examples_of(q);
-        total += examples_of(q);
-    }
     kfac::options o;  // KAISA, grad_worker_fraction = 1 (COMM_OPT)
     o.damping = 0.01;
     o.inv_update_steps = 2;
     mpi_kfac<kfac::compute::ekfac> p(o, make_comm());
     kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, kfac::compute::ekfac> whole(o);
-    owned_layer<double> conv, seq, conv_all, seq_all;
-    for (auto* l : {&conv, &conv_all}) l->view.description = kfac::conv1d_description(c, c_out, geometry, true);
-    for (auto* l : {&seq, &seq_all}) l->view.description = kfac::linear_description(in, out, true);
-    p.register_layer("conv", conv.view);
-    p.register_layer("seq", seq.view);
-    whole.register_layer("conv", conv_all.view);
-    whole.register_layer("seq", seq_all.view);
+    conv1d_and_tokens mine, all;
+    mine.register_with(p);
+    all.register_with(whole);
     for (std::uint32_t step = 0; step < 3; ++step) {
         INFO("step " << step);
-        load(conv, seq, first, examples_of(me), step);
-        load(conv_all, seq_all, 0, total, step);
+        mine.load_mine(step);
+        all.load_all(step);
         p.step();
         whole.step();
         // The factors are summed in another order (per rank, then across): ~1e-15 relative. Unlike
@@ -1126,9 +1116,9 @@ TEST_CASE("EKFAC under COMM_OPT: ranks with different batches equal one process 
         const double conv_tolerance = 1e-10 + 1e-12 * conditioning("conv");
         const double seq_tolerance = 1e-10 + 1e-12 * conditioning("seq");
         INFO("tolerances " << conv_tolerance << ", " << seq_tolerance);
-        CHECK(buffer_rel_err(conv.grad_weight, conv_all.grad_weight) < conv_tolerance);
-        CHECK(buffer_rel_err(conv.grad_bias, conv_all.grad_bias) < conv_tolerance);
-        CHECK(buffer_rel_err(seq.grad_weight, seq_all.grad_weight) < seq_tolerance);
+        CHECK(buffer_rel_err(mine.conv.grad_weight, all.conv.grad_weight) < conv_tolerance);
+        CHECK(buffer_rel_err(mine.conv.grad_bias, all.conv.grad_bias) < conv_tolerance);
+        CHECK(buffer_rel_err(mine.seq.grad_weight, all.seq.grad_weight) < seq_tolerance);
     }
 }
 
