@@ -93,14 +93,18 @@ ekfac_example_gradients ekfac_conv_gradients(const kfac::layer_description& d, c
     return out;
 }
 
-/// Orthonormal eigenvectors of a random symmetric positive definite matrix, as the eigen
-/// method's bases are.
+/// An orthonormal basis, as the eigen method's are: a random matrix's columns by modified
+/// Gram–Schmidt. (Eigen's SelfAdjointEigenSolver would give one too, at about 5 s of compile
+/// time per scalar type; the kernel and the bound below take any Q_A, Q_G.)
 template <class T>
 mat<T> ekfac_random_basis(std::int64_t dim, std::uint32_t seed) {
     const auto v = random_vector<T>(static_cast<std::size_t>(dim * dim), seed);
-    const mat<T> m = Eigen::Map<const mat<T>>(v.data(), dim, dim);
-    Eigen::SelfAdjointEigenSolver<mat<T>> solver(m * m.transpose() + mat<T>::Identity(dim, dim));
-    return solver.eigenvectors();
+    mat<T> q = Eigen::Map<const mat<T>>(v.data(), dim, dim);
+    for (Eigen::Index j = 0; j < q.cols(); ++j) {
+        for (Eigen::Index k = 0; k < j; ++k) q.col(j) -= q.col(k).dot(q.col(j)) * q.col(k);
+        q.col(j) /= q.col(j).norm();
+    }
+    return q;
 }
 
 /// Ŝᵀ of the definition (kfac/backend/detail/cpu_ekfac_scaling.hpp) in long double, and the
@@ -119,8 +123,11 @@ ekfac_reference ekfac_reference_of(const ekfac_example_gradients& ex, const mat<
     ekfac_reference r{wide_mat::Zero(qa.rows(), qg.rows()), wide_mat::Zero(qa.rows(), qg.rows())};
     const auto n = static_cast<wide>(ex.gradient.size());
     for (std::size_t e = 0; e < ex.gradient.size(); ++e) {
-        const wide_mat p = qa.transpose() * ex.gradient[e].transpose() * qg;
-        const wide_mat m = qa.cwiseAbs().transpose() * ex.magnitude[e].transpose() * qg.cwiseAbs();
+        // lazyProduct: coefficient loops; Eigen's GEMM kernel for long double would add ~7 s of
+        // compile time to this file for products of a few dozen rows.
+        const wide_mat p = qa.transpose().lazyProduct(ex.gradient[e].transpose()).eval().lazyProduct(qg);
+        const wide_mat m = qa.cwiseAbs().transpose().lazyProduct(ex.magnitude[e].transpose()).eval().lazyProduct(
+            qg.cwiseAbs());
         r.scaling += p.array().square().matrix() / n;
         r.bound += m.array().square().matrix() / n;
     }
