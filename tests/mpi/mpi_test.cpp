@@ -1079,46 +1079,58 @@ TEST_CASE("EKFAC under COMM_OPT: ranks with different batches equal one process 
     // expand: each example's gradient sums its tokens). Each rank estimates the scaling from its
     // own examples in the bases every rank holds under COMM_OPT; the ranks' estimates weighted by
     // their examples average to the estimate over all of them, one process's. Step 0 computes
-    // bases and S afresh, step 1 averages S into the old bases, step 2 again afresh.
-    kfac::options o;  // KAISA, grad_worker_fraction = 1 (COMM_OPT)
-    o.damping = 0.01;
-    o.inv_update_steps = 2;
-    mpi_kfac<kfac::compute::ekfac> p(o, make_comm());
-    kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, kfac::compute::ekfac> whole(o);
-    conv1d_and_tokens mine, all;
-    mine.register_with(p);
-    all.register_with(whole);
-    for (std::uint32_t step = 0; step < 3; ++step) {
-        INFO("step " << step);
-        mine.load_mine(step);
-        all.load_all(step);
-        p.step();
-        whole.step();
-        // The factors are summed in another order (per rank, then across): ~1e-15 relative. Unlike
-        // K-FAC's P, EKFAC's S is not invariant under a rotation of the bases, and the eigenvectors
-        // move by that perturbation over the relative eigengap (Davis–Kahan): with κ = λ_max / min
-        // gap of a layer's factors, the bases, S and P (S enters through a division damped by
-        // γ = 0.01, ≤ 10² amplification) differ by about 1e-15 · κ · 10², bounded by 1e-12 · κ
-        // (+ 1e-10, the eigen method's bound for these layers). An estimate not weighted by the
-        // ranks' examples misses it by orders of magnitude more.
-        auto conditioning = [&](const std::string& name) {
-            double kappa = 1.0;
-            for (const bool a : {true, false}) {
-                const mat<double> f = a ? whole.a_factor(name) : whole.g_factor(name);
-                Eigen::SelfAdjointEigenSolver<mat<double>> solver(f);
-                const auto& lambda = solver.eigenvalues();
-                double gap = std::numeric_limits<double>::infinity();
-                for (Eigen::Index i = 1; i < lambda.size(); ++i) gap = std::min(gap, lambda(i) - lambda(i - 1));
-                kappa = std::max(kappa, lambda.cwiseAbs().maxCoeff() / gap);
-            }
-            return kappa;
-        };
-        const double conv_tolerance = 1e-10 + 1e-12 * conditioning("conv");
-        const double seq_tolerance = 1e-10 + 1e-12 * conditioning("seq");
-        INFO("tolerances " << conv_tolerance << ", " << seq_tolerance);
-        CHECK(buffer_rel_err(mine.conv.grad_weight, all.conv.grad_weight) < conv_tolerance);
-        CHECK(buffer_rel_err(mine.conv.grad_bias, all.conv.grad_bias) < conv_tolerance);
-        CHECK(buffer_rel_err(mine.seq.grad_weight, all.seq.grad_weight) < seq_tolerance);
+    // bases and S afresh, step 1 averages S into the old bases, step 2 again afresh. Under the
+    // per-example statistics each rank's output gradients are its own mean loss's, N/N_r times
+    // one process's (as a data-parallel host's are), and S is N_r² times its estimate there.
+    for (const auto statistics : {kfac::statistic_scale::reference, kfac::statistic_scale::per_example}) {
+        INFO(kfac::detail::option_value_name(statistics));
+        kfac::options o;  // KAISA, grad_worker_fraction = 1 (COMM_OPT)
+        o.damping = 0.01;
+        o.inv_update_steps = 2;
+        o.statistics = statistics;
+        if (statistics == kfac::statistic_scale::per_example) o.averaging = kfac::factor_averaging::bias_corrected;
+        mpi_kfac<kfac::compute::ekfac> p(o, make_comm());
+        kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, kfac::compute::ekfac> whole(o);
+        conv1d_and_tokens mine, all;
+        mine.register_with(p);
+        all.register_with(whole);
+        const double mean_loss_ratio = static_cast<double>(conv1d_and_tokens::total_examples()) /
+                                       static_cast<double>(conv1d_and_tokens::examples_of(world_rank()));
+        for (std::uint32_t step = 0; step < 3; ++step) {
+            INFO("step " << step);
+            mine.load_mine(step);
+            all.load_all(step);
+            if (statistics == kfac::statistic_scale::per_example)
+                for (auto* g : {&mine.conv.grad_output, &mine.seq.grad_output})
+                    for (auto& x : *g) x *= mean_loss_ratio;
+            p.step();
+            whole.step();
+            // The factors are summed in another order (per rank, then across): ~1e-15 relative. Unlike
+            // K-FAC's P, EKFAC's S is not invariant under a rotation of the bases, and the eigenvectors
+            // move by that perturbation over the relative eigengap (Davis–Kahan): with κ = λ_max / min
+            // gap of a layer's factors, the bases, S and P (S enters through a division damped by
+            // γ = 0.01, ≤ 10² amplification) differ by about 1e-15 · κ · 10², bounded by 1e-12 · κ
+            // (+ 1e-10, the eigen method's bound for these layers). An estimate not weighted by the
+            // ranks' examples misses it by orders of magnitude more.
+            auto conditioning = [&](const std::string& name) {
+                double kappa = 1.0;
+                for (const bool a : {true, false}) {
+                    const mat<double> f = a ? whole.a_factor(name) : whole.g_factor(name);
+                    Eigen::SelfAdjointEigenSolver<mat<double>> solver(f);
+                    const auto& lambda = solver.eigenvalues();
+                    double gap = std::numeric_limits<double>::infinity();
+                    for (Eigen::Index i = 1; i < lambda.size(); ++i) gap = std::min(gap, lambda(i) - lambda(i - 1));
+                    kappa = std::max(kappa, lambda.cwiseAbs().maxCoeff() / gap);
+                }
+                return kappa;
+            };
+            const double conv_tolerance = 1e-10 + 1e-12 * conditioning("conv");
+            const double seq_tolerance = 1e-10 + 1e-12 * conditioning("seq");
+            INFO("tolerances " << conv_tolerance << ", " << seq_tolerance);
+            CHECK(buffer_rel_err(mine.conv.grad_weight, all.conv.grad_weight) < conv_tolerance);
+            CHECK(buffer_rel_err(mine.conv.grad_bias, all.conv.grad_bias) < conv_tolerance);
+            CHECK(buffer_rel_err(mine.seq.grad_weight, all.seq.grad_weight) < seq_tolerance);
+        }
     }
 }
 

@@ -126,6 +126,41 @@ TEST_CASE("ekfac: with S = λ_A λ_Gᵀ it is the eigen method bit for bit, and 
     CHECK(by_ekfac[3] == by_eigen[3]);  // S = λ_A λ_Gᵀ at step 3
 }
 
+TEST_CASE("ekfac: per-example statistics make S N² times the statistic, and a loss scale leaves it as it is",
+          "[ekfac][curvature_modes][loss_scale]") {
+    // Under statistic_scale::per_example S is the per-example Fisher's diagonal in the eigenbasis:
+    // each example's gradient, formed from the host's mean-loss output gradients (1/N of its
+    // own), is scaled back by N, so S = N² Ŝ (kfac/detail/statistic_scale.hpp), exactly that
+    // product. With a loss scale s = 2⁶ the host's output gradients are s times as large and Ŝ
+    // s² times; dividing by s² is exact for a power of two, so S and the bases do not change.
+    auto layer = random_linear<double>(12, 5, 4, true, 31);  // N = 12 examples
+    const auto& d = layer.view.description;
+    kfac::options o;
+    o.statistics = kfac::statistic_scale::per_example;
+    o.averaging = kfac::factor_averaging::bias_corrected;
+    o.kl_clip = std::nullopt;
+    o.damping = 0.01;
+    auto scaled_layer = layer;
+    scaled_layer.bind();
+    for (auto* v : {&scaled_layer.grad_output, &scaled_layer.grad_weight, &scaled_layer.grad_bias})
+        for (auto& x : *v) x *= 64.0;
+    kfac::options scaled = o;
+    scaled.loss_scale = 64.0;
+    ekfac_precond p(o), q(scaled);
+    p.register_layer("fc", layer.view);
+    q.register_layer("fc", scaled_layer.view);
+    p.step();
+    q.step();
+    const auto saved = kfac::checkpoint::parse(p.save_bytes(), "per-example");
+    const mat<double> q_a = ekfac_saved(saved, "fc.A.eigenvectors", d.a_dim(), d.a_dim());
+    const mat<double> q_g = ekfac_saved(saved, "fc.G.eigenvectors", d.g_dim(), d.g_dim());
+    const mat<double> s = ekfac_saved(saved, "fc.scaling", d.a_dim(), d.g_dim());
+    CHECK(s == 144.0 * ekfac_estimate(layer, q_a, q_g));
+    const auto loss_scaled = kfac::checkpoint::parse(q.save_bytes(), "loss-scaled");
+    CHECK(ekfac_saved(loss_scaled, "fc.G.eigenvectors", d.g_dim(), d.g_dim()) == q_g);
+    CHECK(ekfac_saved(loss_scaled, "fc.scaling", d.a_dim(), d.g_dim()) == s);
+}
+
 TEST_CASE("ekfac: a checkpoint resumes it bit for bit", "[ekfac][checkpoint]") {
     kfac::options o;
     o.inv_update_steps = 3;

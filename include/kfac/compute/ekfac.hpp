@@ -32,7 +32,9 @@
 /// examples, and one allreduce per factor update averages the estimates by examples);
 /// layers whose factors are a dense Kronecker pair of one group (Linear, Conv1d, Conv2d), with
 /// weight sharing expand or reduce, applied once per pass; options.accumulation_steps = 1,
-/// the reference statistics and the reference damping.
+/// either statistics (under per_example, S is N²·Ŝ: the per-example Fisher's diagonal, as
+/// A and G are its factors; kfac/detail/statistic_scale.hpp), either averaging of the factors,
+/// and the reference damping.
 
 #include <cstddef>
 #include <cstdint>
@@ -185,12 +187,15 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
         w.output_gradients = {};
     }
 
-    /// w.estimate ← Ŝᵀ from the kept rows in l's bases, the output gradients' loss scale removed
-    /// (Ŝ is quadratic in them). False: it is not finite.
-    static bool estimate_scaling(const layer_data& l, const layer_description& d, double loss_scale, workspace& w) {
+    /// w.estimate ← `scale`·Ŝᵀ from the kept rows in l's bases, the output gradients' loss scale
+    /// removed (Ŝ is quadratic in them): scale is 1 under the reference statistics and N² under
+    /// the per-example ones (per_example_scaling_scale()). False: it is not finite.
+    static bool estimate_scaling(const layer_data& l, const layer_description& d, double scale, double loss_scale,
+                                 workspace& w) {
         backend::detail::accumulate_ekfac_scaling(w.estimate, d, w.activations, w.output_gradients, l.a.q, l.g.q,
                                                   scalar(0), w.scaling_ws);
-        if (loss_scale != 1.0) w.estimate *= static_cast<scalar>(1.0 / (loss_scale * loss_scale));
+        const double factor = scale / (loss_scale * loss_scale);  // 1/s² as ever for scale 1
+        if (factor != 1.0) w.estimate *= static_cast<scalar>(factor);
         return w.estimate.allFinite();
     }
     /// S ← Ŝ (`restart`: the bases are new) or S ← ξS + (1 − ξ)Ŝ.

@@ -11,6 +11,7 @@
 #include "kfac/backend/batched_eigen.hpp"
 #include "kfac/compute/eigendecomposition.hpp"
 #include "kfac/detail/engine.hpp"
+#include "kfac/detail/statistic_scale.hpp"
 #include "kfac/detail/statistics_views.hpp"
 
 namespace kfac::detail {
@@ -187,8 +188,12 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_scaling(const step_plan&
         auto estimate = [&](layer_record& l) {
             bool finite = false;
             in_layer(l, [&] {
-                finite = method::estimate_scaling(l.state.second, l.host.description.group_block(), pass_loss_scale_,
-                                                  l.scratch.method_ws);
+                const auto& w = l.scratch.method_ws;
+                const double scale = options_.statistics == statistic_scale::per_example
+                                         ? detail::per_example_scaling_scale(l.host.description, w.activations)
+                                         : 1.0;
+                finite = method::estimate_scaling(l.state.second, l.host.description.group_block(), scale,
+                                                  pass_loss_scale_, l.scratch.method_ws);
             });
             return finite;
         };

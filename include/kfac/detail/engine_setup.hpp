@@ -46,7 +46,7 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
 }
 
 /// What compute::ekfac supports so far (kfac/compute/ekfac.hpp): one rank or KAISA's COMM_OPT, one pass per step,
-/// the reference statistics and damping, new eigenvectors at every inverse update.
+/// the reference damping, new eigenvectors at every inverse update.
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::check_method_supported() const {
     if constexpr (method_estimating_scaling<method>) {
@@ -63,7 +63,6 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_method_supported() const 
                    "grad_worker_fraction = 1, gives every rank)");
         if (options_.accumulation_steps != 1)
             refuse("options.accumulation_steps = " + std::to_string(options_.accumulation_steps));
-        if (options_.statistics != statistic_scale::reference) refuse("options.statistics other than reference");
         if (damping_reads_factors(options_)) refuse("relative or factored damping");
         if (options_.eigenbasis_reuse_tolerance != 0.0)
             refuse("options.eigenbasis_reuse_tolerance (its scaling is re-estimated in every new eigenbasis)");

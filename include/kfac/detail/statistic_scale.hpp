@@ -61,6 +61,17 @@ template <class T>
     return {s_a * s_a * s_a, n2 * s_g * s_g};
 }
 
+/// What EKFAC's scaling statistic (kfac/compute/ekfac.hpp) is multiplied by to become the
+/// per-example Fisher's diagonal in the eigenbasis: N². The statistic is the mean over the N
+/// examples of each example's gradient squared, and an example's gradient is formed from the
+/// host's output gradients g = Ds/N (above), 1/N of its own, whatever the layer's kind and weight
+/// sharing (its positions are summed inside the gradient, not averaged as the factors' rows are).
+template <class T>
+[[nodiscard]] double per_example_scaling_scale(const layer_description& d, const tensor_view<const T>& a) {
+    const auto examples = static_cast<double>(examples_in(d, a));
+    return examples * examples;
+}
+
 /// Divides the statistics quadratic in the output gradients by s², s the loss scale the host
 /// multiplied its loss by: G's (a normalisation layer's one statistic, A's). For the power of
 /// two a dynamic scaler uses, s² and 1/s² are exact, and so is the division (but for results
