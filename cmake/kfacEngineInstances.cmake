@@ -12,7 +12,7 @@
 # `extern template class kfac::detail::engine<...>`: its member functions, which engine.hpp
 # defines out of the class, are then not compiled again in that program.
 #
-#   kfac_engines       cpu_eigen<float|double> x comm::serial x eigendecomposition|inverse, and
+#   kfac_engines       cpu_eigen<float|double> x comm::serial x eigendecomposition|inverse|ekfac, and
 #                      the block kinds' operations (kfac/blocks/) on those backends and methods,
 #                      which every communicator's engines share: measured, declaring them here
 #                      took kfac_engines_mpi.cpp from 42.6 s to 18.0 s of CPU; and the backend
@@ -98,7 +98,12 @@ function(kfac_add_engines target backend comm)
         string(APPEND definitions "template ${instance};\n")
       endforeach()
     endif()
-    foreach(method eigendecomposition inverse)
+    # compute::ekfac runs on the CPU backend only (kfac/compute/ekfac.hpp).
+    set(methods eigendecomposition inverse)
+    if(backend STREQUAL "cpu_eigen")
+      list(APPEND methods ekfac)
+    endif()
+    foreach(method IN LISTS methods)
       set(backend_type "kfac::backend::${backend}<${scalar}>")
       set(types "kfac::detail::engine<${backend_type}, kfac::comm::${comm}, kfac::compute::${method}>")
       if(backend STREQUAL "cpu_eigen" AND comm STREQUAL "serial")

@@ -98,9 +98,11 @@ private:
     P p_;
 };
 
-/// A preconditioner on the CPU backend.
-inline std::unique_ptr<kfac_handle> make_cpu_kfac(const kfac::options& opts) {
-    return std::make_unique<held_kfac<kfac::KFAC<kfac::backend::cpu_eigen<float>>>>("cpu_eigen<float>", opts);
+/// A preconditioner on the CPU backend, with the compute method Method.
+template <class Method = kfac::compute::eigendecomposition>
+std::unique_ptr<kfac_handle> make_cpu_kfac(const kfac::options& opts) {
+    return std::make_unique<held_kfac<kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::serial, Method>>>(
+        "cpu_eigen<float>", opts);
 }
 
 /// A preconditioner on backend::cuda<float> (kfac_handle_cuda.cu; programs built with nvcc

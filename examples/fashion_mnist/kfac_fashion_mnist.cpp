@@ -157,20 +157,21 @@ struct processes {
 #endif
         return failure;
     }
-    /// A preconditioner on the CPU backend whose policy spans these processes (over a Gloo
-    /// world, the same process group as the gradients' averaging).
+    /// A preconditioner on the CPU backend, with the compute method Method, whose policy spans
+    /// these processes (over a Gloo world, the same process group as the gradients' averaging).
+    template <class Method>
     [[nodiscard]] std::unique_ptr<kfac_handle> cpu_preconditioner(const kfac::options& opts) const {
 #ifdef KFAC_EXAMPLE_GLOO
         if (how == transport::gloo)
-            return std::make_unique<held_kfac<kfac::KFAC<cpu_backend, kfac::comm::process_group>>>(
+            return std::make_unique<held_kfac<kfac::KFAC<cpu_backend, kfac::comm::process_group, Method>>>(
                 "cpu_eigen<float>", opts, world->kfac_comm());
 #endif
 #ifdef KFAC_EXAMPLE_MPI
         if (how == transport::mpi)
-            return std::make_unique<held_kfac<kfac::KFAC<cpu_backend, kfac::comm::mpi>>>("cpu_eigen<float>", opts,
-                                                                                          kfac::comm::mpi());
+            return std::make_unique<held_kfac<kfac::KFAC<cpu_backend, kfac::comm::mpi, Method>>>(
+                "cpu_eigen<float>", opts, kfac::comm::mpi());
 #endif
-        return make_cpu_kfac(opts);
+        return make_cpu_kfac<Method>(opts);
     }
 
 private:
@@ -211,6 +212,7 @@ struct optimizer_settings {
     double damping = 0.0, kl_clip = 0.0, factor_decay = 0.95;
     int factor_update_steps = 10, inv_update_steps = 100;
     double eigenbasis_reuse = 0.0;  // options.eigenbasis_reuse_tolerance (0: exact)
+    std::string method = "eigen";   // the compute method: eigen (compute::eigendecomposition) or ekfac
     // The curvature modes (docs/curvature-modes.md); "reference" is kfac-pytorch's.
     std::string statistics = "reference", averaging = "reference", damping_mode = "reference";
     bool relative_damping = false;
@@ -294,6 +296,8 @@ void usage(bool distributed) {
         "  --damping X, --kl-clip X (0: none), --factor-decay X\n"
         "  --kl-clip-schedule constant|cosine   cosine: kl_clip × (the learning rate's cosine factor)²\n"
         "  --factor-update-steps N, --inv-update-steps N      (default 10, 100)\n"
+        "  --method eigen|ekfac   K-FAC's compute method: eigen (default), or ekfac (eigenvalue-corrected\n"
+        "                         K-FAC on the CPU backend, docs/k-fac.md; the run is named ekfac)\n"
         "  --eigenbasis-reuse TAU keep a factor's eigenvectors while they diagonalise it to within TAU\n"
         "  --reference            the defaults of kfac-pytorch's K-FAC (no curvature modes, kl_clip 0.001)\n"
         "                         and SGD tuned for final accuracy (the example's README)\n"
@@ -349,6 +353,11 @@ settings read_settings(int argc, char** argv, bool& help, bool distributed) {
     s.kfac.factor_update_steps = static_cast<int>(args.integer("factor-update-steps", s.kfac.factor_update_steps));
     s.kfac.inv_update_steps = static_cast<int>(args.integer("inv-update-steps", s.kfac.inv_update_steps));
     s.kfac.eigenbasis_reuse = args.number("eigenbasis-reuse", s.kfac.eigenbasis_reuse);
+    s.kfac.method = args.text("method", s.kfac.method);
+    if (s.kfac.method != "eigen" && s.kfac.method != "ekfac")
+        throw cli_error("--method must be eigen or ekfac, not '" + s.kfac.method + "'");
+    if (s.kfac.method == "ekfac" && s.device == "cuda")
+        throw cli_error("--method ekfac runs on the CPU backend so far (kfac/compute/ekfac.hpp): use --device cpu");
     s.kfac.statistics = args.text("statistics", s.kfac.statistics);
     s.kfac.averaging = args.text("averaging", s.kfac.averaging);
     s.kfac.damping_mode = args.text("damping-mode", s.kfac.damping_mode);
@@ -514,7 +523,10 @@ public:
             else if (settings_.strategy == "hybrid_opt") opts.grad_worker_fraction = kfac::hybrid_opt;
             else if (settings_.strategy == "mem_opt") opts.grad_worker_fraction = kfac::mem_opt;
             else opts.strategy = kfac::distribution::dp_kfac;
-            precond_ = procs_.cpu_preconditioner(opts);
+            precond_ = o_.method == "ekfac" ? procs_.cpu_preconditioner<kfac::compute::ekfac>(opts)
+                                            : procs_.cpu_preconditioner<kfac::compute::eigendecomposition>(opts);
+        } else if (o_.method == "ekfac") {  // the CPU backend (read_settings refuses --device cuda)
+            precond_ = make_cpu_kfac<kfac::compute::ekfac>(opts);
         } else {
             precond_ = make_kfac(opts, settings_.device == "cuda");
         }
@@ -840,7 +852,7 @@ int main_body(int argc, char** argv, transport how) {
         // beside exact ones.
         std::ostringstream name;
         if (s.kfac.eigenbasis_reuse > 0.0) name << "kfac_reuse_" << s.kfac.eigenbasis_reuse;  // 6 significant digits
-        else name << (s.reference ? "kfac_reference" : "kfac");
+        else name << (s.kfac.method == "ekfac" ? "ekfac" : "kfac") << (s.reference ? "_reference" : "");
         if (s.precision != "fp32") name << "_" << s.precision;
         runs.push_back(std::make_unique<run>(name.str(), s, s.kfac, procs));
         runs.back()->attach_kfac(steps_total);

@@ -5,11 +5,12 @@ optimizer on the tuning seeds, then the winners on other seeds.
 
   study.py grid  BINARY OUT_DIR --model cnn --epochs 5 --seeds 1,2 [--threads N]
       runs every grid point (SGD: lr; K-FAC: lr x damping; kfaccurv: K-FAC with the curvature
-      modes, lr x relative damping; --optimizers sgd,kfac,kfaccurv) for each seed, one CSV each in
+      modes, damping x kl_clip; ekfac: the same with --method ekfac; --optimizers
+      sgd,kfac,kfaccurv,ekfac) for each seed, one CSV each in
       OUT_DIR; points already there are skipped, so an interrupted grid continues.
   study.py best  OUT_DIR
       the mean final test accuracy of every grid point, best first, per model and optimizer.
-  study.py runs  BINARY OUT_DIR --model cnn --epochs 5 --seeds 3,4,5 [--threads N] [--optimizers sgd,kfac]
+  study.py runs  BINARY OUT_DIR --model cnn --epochs 5 --seeds 3,4,5 [--threads N] [--optimizers sgd,kfac,ekfac]
       the optimizers with the program's defaults (the grids' winners) on each seed.
   study.py table OUT_DIR[=LABEL] [OUT_DIR[=LABEL] ...]
       the held-out table of examples/fashion_mnist/README.md and docs/examples.md: per model, optimizer and seed, the first epoch and training seconds
@@ -40,10 +41,16 @@ GRID["kfaccurv"] = [dict(CURVATURE_MODES, **{"damping": d, "kl-clip": k})
                     for d in (0.003, 0.01, 0.03) for k in (3e-05, 0.0001, 0.0003)]
 # SGD with as many points as that: learning rate × momentum.
 GRID["sgdwide"] = [{"lr": lr, "momentum": m} for lr in (0.03, 0.05, 0.1, 0.2, 0.3) for m in (0.9, 0.95)]
+# EKFAC (--method ekfac, docs/k-fac.md) with the same modes: the same damping × kl_clip grid.
+EKFAC_MODES = dict(CURVATURE_MODES, method="ekfac")
+GRID["ekfac"] = [dict(EKFAC_MODES, **{"damping": d, "kl-clip": k})
+                 for d in (0.003, 0.01, 0.03) for k in (3e-05, 0.0001, 0.0003)]
 # The ResNet's runs take 4× as long: 6 points each, around the CNN's winners.
 RESNET_GRID = {
     "kfaccurv": [dict(CURVATURE_MODES, **{"damping": d, "kl-clip": k}) for d in (0.003, 0.01, 0.03)
                  for k in (3e-05, 0.0001)],
+    "ekfac": [dict(EKFAC_MODES, **{"damping": d, "kl-clip": k}) for d in (0.003, 0.01, 0.03)
+              for k in (3e-05, 0.0001)],
     "sgdwide": [{"lr": lr, "momentum": m} for lr in (0.05, 0.1, 0.2) for m in (0.9, 0.95)],
 }
 
@@ -53,7 +60,7 @@ def grid_points(optimizer, model):
 
 
 def point_name(model, optimizer, params, seed):
-    text = "_".join(f"{k}{v}" for k, v in params.items() if k not in CURVATURE_MODES)
+    text = "_".join(f"{k}{v}" for k, v in params.items() if k not in EKFAC_MODES)
     return f"{model}_{optimizer}_{text}_seed{seed}" if text else f"{model}_{optimizer}_seed{seed}"
 
 
@@ -93,7 +100,7 @@ def run_recorded(cmd, out_dir, name, optimizer, model, seed):
 def run_point(binary, out_dir, model, optimizer, params, seed, threads, epochs):
     name = point_name(model, optimizer, params, seed)
     part = os.path.join(out_dir, name + ".csv.part")
-    cmd = [binary, "--model", model, "--optimizer", "kfac" if optimizer.startswith("kfac") else "sgd",
+    cmd = [binary, "--model", model, "--optimizer", "sgd" if optimizer.startswith("sgd") else "kfac",
            "--seed", str(seed), "--threads", str(threads), "--epochs", str(epochs), "--csv", part,
            "--curvature-csv", os.path.join(out_dir, name + "_curvature.csv"), "--no-plot"] + option_args(params)
     return run_recorded(cmd, out_dir, name, optimizer, model, seed)
@@ -149,7 +156,9 @@ def cmd_runs(args):
     params = {"reference": True} if args.reference else {}
     for seed in args.seeds.split(","):
         for optimizer in args.optimizers.split(","):
-            run_point(args.binary, args.out, args.model, optimizer, params, seed, args.threads, args.epochs)
+            method = {"method": "ekfac"} if optimizer == "ekfac" else {}
+            run_point(args.binary, args.out, args.model, optimizer, dict(params, **method), seed, args.threads,
+                      args.epochs)
 
 
 def first_reaching(rows, target):
