@@ -40,6 +40,20 @@ mat<double> ekfac_gamma_t(const owned_layer<double>& l) {
     return g;
 }
 
+/// Steps k = from, ..., to − 1 of `p`, each on the layer refilled with seed + 10k, and returns
+/// the gradient (as Γᵀ) each step left.
+template <class P>
+std::vector<mat<double>> ekfac_steps(P& p, owned_layer<double>& layer, std::uint32_t seed, std::uint32_t from,
+                                     std::uint32_t to) {
+    std::vector<mat<double>> grads;
+    for (std::uint32_t k = from; k < to; ++k) {
+        ekfac_refill(layer, seed + 10 * k);
+        p.step();
+        grads.push_back(ekfac_gamma_t(layer));
+    }
+    return grads;
+}
+
 /// A saved tensor of `rows` × `cols` (C order) as a matrix.
 mat<double> ekfac_saved(const kfac::checkpoint::archive& a, const std::string& name, std::int64_t rows,
                         std::int64_t cols) {
@@ -108,13 +122,7 @@ TEST_CASE("ekfac: with S = λ_A λ_Gᵀ it is the eigen method bit for bit, and 
     o.compute_eigenvalue_outer_product = false;  // the eigen method then divides, as EKFAC does
     auto run = [&](auto& p, owned_layer<double>& layer) {
         p.register_layer("fc", layer.view);
-        std::vector<mat<double>> grads;
-        for (std::uint32_t k = 0; k < 4; ++k) {
-            ekfac_refill(layer, 500 + 10 * k);
-            p.step();
-            grads.push_back(ekfac_gamma_t(layer));
-        }
-        return grads;
+        return ekfac_steps(p, layer, 500, 0, 4);
     };
     auto a = random_linear<double>(10, 6, 3, true, 5), b = a;
     a.bind();
@@ -164,15 +172,6 @@ TEST_CASE("ekfac: per-example statistics make S N² times the statistic, and a l
 TEST_CASE("ekfac: a checkpoint resumes it bit for bit", "[ekfac][checkpoint]") {
     kfac::options o;
     o.inv_update_steps = 3;
-    auto run = [&](ekfac_precond& p, owned_layer<double>& layer, std::uint32_t from, std::uint32_t to) {
-        std::vector<mat<double>> grads;
-        for (std::uint32_t k = from; k < to; ++k) {
-            ekfac_refill(layer, 900 + 10 * k);
-            p.step();
-            grads.push_back(ekfac_gamma_t(layer));
-        }
-        return grads;
-    };
     auto whole_layer = random_linear<double>(9, 4, 5, true, 8), split_layer = whole_layer;
     whole_layer.bind();
     split_layer.bind();
@@ -180,10 +179,10 @@ TEST_CASE("ekfac: a checkpoint resumes it bit for bit", "[ekfac][checkpoint]") {
     whole.register_layer("fc", whole_layer.view);
     before.register_layer("fc", split_layer.view);
     after.register_layer("fc", split_layer.view);
-    const auto expected = run(whole, whole_layer, 0, 7);
-    run(before, split_layer, 0, 4);  // the save falls between two inverse updates
+    const auto expected = ekfac_steps(whole, whole_layer, 900, 0, 7);
+    ekfac_steps(before, split_layer, 900, 0, 4);  // the save falls between two inverse updates
     after.load_bytes(before.save_bytes());
-    const auto resumed = run(after, split_layer, 4, 7);
+    const auto resumed = ekfac_steps(after, split_layer, 900, 4, 7);
     for (std::size_t k = 0; k < resumed.size(); ++k) CHECK(resumed[k] == expected[4 + k]);
     CHECK(whole.save_bytes() == after.save_bytes());
 }
