@@ -264,8 +264,8 @@ void model_defaults(settings& s, bool reference) {
         s.sgd.lr = 0.03;
         s.sgd.momentum = 0.95;
         s.kfac.lr = 0.05;
-        s.kfac.damping = 0.003;
-        s.kfac.kl_clip = 3e-5;
+        s.kfac.damping = s.kfac.method == "ekfac" ? 0.03 : 0.003;  // EKFAC's own grid's winner
+        s.kfac.kl_clip = s.kfac.method == "ekfac" ? 3e-4 : 3e-5;
     } else {
         s.sgd.lr = 0.1;
         s.kfac.lr = 0.1;
@@ -327,6 +327,9 @@ settings read_settings(int argc, char** argv, bool& help, bool distributed) {
     if (s.model != "cnn" && s.model != "resnet") throw cli_error("--model must be cnn or resnet, not '" + s.model + "'");
     s.epochs = static_cast<int>(args.integer("epochs", 0));
     s.reference = args.flag("reference");
+    s.kfac.method = args.text("method", s.kfac.method);  // before the defaults, which depend on it
+    if (s.kfac.method != "eigen" && s.kfac.method != "ekfac")
+        throw cli_error("--method must be eigen or ekfac, not '" + s.kfac.method + "'");
     model_defaults(s, s.reference);
     s.optimizers = args.text("optimizer", s.optimizers);
     if (s.optimizers != "sgd" && s.optimizers != "kfac" && s.optimizers != "both")
@@ -353,9 +356,6 @@ settings read_settings(int argc, char** argv, bool& help, bool distributed) {
     s.kfac.factor_update_steps = static_cast<int>(args.integer("factor-update-steps", s.kfac.factor_update_steps));
     s.kfac.inv_update_steps = static_cast<int>(args.integer("inv-update-steps", s.kfac.inv_update_steps));
     s.kfac.eigenbasis_reuse = args.number("eigenbasis-reuse", s.kfac.eigenbasis_reuse);
-    s.kfac.method = args.text("method", s.kfac.method);
-    if (s.kfac.method != "eigen" && s.kfac.method != "ekfac")
-        throw cli_error("--method must be eigen or ekfac, not '" + s.kfac.method + "'");
     if (s.kfac.method == "ekfac" && s.device == "cuda")
         throw cli_error("--method ekfac runs on the CPU backend so far (kfac/compute/ekfac.hpp): use --device cpu");
     s.kfac.statistics = args.text("statistics", s.kfac.statistics);
