@@ -1005,12 +1005,13 @@ struct conv1d_and_tokens {
         seq.view.description = kfac::linear_description(in, out, true);
     }
     static std::int64_t examples_of(int rank) { return std::int64_t{2} + rank; }
-    /// The first example this rank holds, and the examples of all ranks.
-    static std::int64_t first_example() {
+    /// The first example a rank holds, and the examples of all ranks.
+    static std::int64_t first_example_of(int rank) {
         std::int64_t first = 0;
-        for (int q = 0; q < world_rank(); ++q) first += examples_of(q);
+        for (int q = 0; q < rank; ++q) first += examples_of(q);
         return first;
     }
+    static std::int64_t first_example() { return first_example_of(world_rank()); }
     static std::int64_t total_examples() {
         std::int64_t total = 0;
         for (int q = 0; q < world_size(); ++q) total += examples_of(q);
@@ -1022,10 +1023,13 @@ struct conv1d_and_tokens {
         p.register_layer("seq", seq.view);
     }
     /// The step's examples [from, from + count) and fresh gradients.
-    void load(std::int64_t from, std::int64_t count, std::uint32_t step) {
+    void load(std::int64_t from, std::int64_t count, std::uint32_t step) { load(from, count, from, count, step); }
+    /// The step with the conv layer's examples and the Linear's from different ranges.
+    void load(std::int64_t conv_from, std::int64_t conv_count, std::int64_t seq_from, std::int64_t seq_count,
+              std::uint32_t step) {
         const std::int64_t lo = kfac::conv_output_extent(len, k, 1, 1, 1);
-        fill_examples(conv, from, count, 1000 * step + 100, {c, len}, {c_out, lo});
-        fill_examples(seq, from, count, 1000 * step + 300, {r, in}, {r, out});
+        fill_examples(conv, conv_from, conv_count, 1000 * step + 100, {c, len}, {c_out, lo});
+        fill_examples(seq, seq_from, seq_count, 1000 * step + 300, {r, in}, {r, out});
         conv.grad_weight = random_vector<double>(static_cast<std::size_t>(c_out * c * k), 500 + step, 0.1);
         conv.grad_bias = random_vector<double>(static_cast<std::size_t>(c_out), 600 + step, 0.1);
         seq.grad_weight = random_vector<double>(static_cast<std::size_t>(out * in), 700 + step, 0.1);
@@ -1038,6 +1042,11 @@ struct conv1d_and_tokens {
     void load_mine(std::uint32_t step) { load(first_example(), examples_of(world_rank()), step); }
     /// Every rank's examples, as one process holds them.
     void load_all(std::uint32_t step) { load(0, total_examples(), step); }
+    /// Each layer's owner's examples, as DP-KFAC's owners see them.
+    void load_owners(int conv_owner, int seq_owner, std::uint32_t step) {
+        load(first_example_of(conv_owner), examples_of(conv_owner), first_example_of(seq_owner), examples_of(seq_owner),
+             step);
+    }
 };
 
 }  // namespace
@@ -1074,75 +1083,144 @@ TEST_CASE("Conv1d and reduce layers: ranks with different batches equal one proc
     }
 }
 
-TEST_CASE("EKFAC under COMM_OPT: ranks with different batches equal one process with all of them", "[mpi][ekfac]") {
+TEST_CASE("EKFAC under every strategy: ranks with different batches equal one process with all of them",
+          "[mpi][ekfac]") {
     // Rank r holds N_r = 2 + r examples of a Conv1d and of a Linear over 4 tokens (weight sharing
-    // expand: each example's gradient sums its tokens). Each rank estimates the scaling from its
-    // own examples in the bases every rank holds under COMM_OPT; the ranks' estimates weighted by
-    // their examples average to the estimate over all of them, one process's. Step 0 computes
-    // bases and S afresh, step 1 averages S into the old bases, step 2 again afresh. Under the
-    // per-example statistics each rank's output gradients are its own mean loss's, N/N_r times
-    // one process's (as a data-parallel host's are), and S is N_r² times its estimate there.
-    for (const auto statistics : {kfac::statistic_scale::reference, kfac::statistic_scale::per_example}) {
-        INFO(kfac::detail::option_value_name(statistics));
-        kfac::options o;  // KAISA, grad_worker_fraction = 1 (COMM_OPT)
-        o.damping = 0.01;
-        o.inv_update_steps = 2;
-        o.statistics = statistics;
-        if (statistics == kfac::statistic_scale::per_example) o.averaging = kfac::factor_averaging::bias_corrected;
-        mpi_kfac<kfac::compute::ekfac> p(o, make_comm());
-        kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, kfac::compute::ekfac> whole(o);
-        conv1d_and_tokens mine, all;
-        mine.register_with(p);
-        all.register_with(whole);
-        const double mean_loss_ratio = static_cast<double>(conv1d_and_tokens::total_examples()) /
-                                       static_cast<double>(conv1d_and_tokens::examples_of(world_rank()));
-        for (std::uint32_t step = 0; step < 3; ++step) {
-            INFO("step " << step);
-            mine.load_mine(step);
-            all.load_all(step);
-            if (statistics == kfac::statistic_scale::per_example)
-                for (auto* g : {&mine.conv.grad_output, &mine.seq.grad_output})
-                    for (auto& x : *g) x *= mean_loss_ratio;
-            p.step();
-            whole.step();
-            // The factors are summed in another order (per rank, then across): ~1e-15 relative. Unlike
-            // K-FAC's P, EKFAC's S is not invariant under a rotation of the bases, and the eigenvectors
-            // move by that perturbation over the relative eigengap (Davis–Kahan): with κ = λ_max / min
-            // gap of a layer's factors, the bases, S and P (S enters through a division damped by
-            // γ = 0.01, ≤ 10² amplification) differ by about 1e-15 · κ · 10², bounded by 1e-12 · κ
-            // (+ 1e-10, the eigen method's bound for these layers). An estimate not weighted by the
-            // ranks' examples misses it by orders of magnitude more.
-            auto conditioning = [&](const std::string& name) {
-                double kappa = 1.0;
-                for (const bool a : {true, false}) {
-                    const mat<double> f = a ? whole.a_factor(name) : whole.g_factor(name);
-                    Eigen::SelfAdjointEigenSolver<mat<double>> solver(f);
-                    const auto& lambda = solver.eigenvalues();
-                    double gap = std::numeric_limits<double>::infinity();
-                    for (Eigen::Index i = 1; i < lambda.size(); ++i) gap = std::min(gap, lambda(i) - lambda(i - 1));
-                    kappa = std::max(kappa, lambda.cwiseAbs().maxCoeff() / gap);
-                }
-                return kappa;
-            };
-            const double conv_tolerance = 1e-10 + 1e-12 * conditioning("conv");
-            const double seq_tolerance = 1e-10 + 1e-12 * conditioning("seq");
-            INFO("tolerances " << conv_tolerance << ", " << seq_tolerance);
-            CHECK(buffer_rel_err(mine.conv.grad_weight, all.conv.grad_weight) < conv_tolerance);
-            CHECK(buffer_rel_err(mine.conv.grad_bias, all.conv.grad_bias) < conv_tolerance);
-            CHECK(buffer_rel_err(mine.seq.grad_weight, all.seq.grad_weight) < seq_tolerance);
+    // expand: each example's gradient sums its tokens). Under KAISA each rank estimates the scaling
+    // from its own examples in the layer's bases (every rank holds them under COMM_OPT; under
+    // HYBRID_OPT and MEM_OPT the layer's column broadcasts them to the others first); the ranks'
+    // estimates weighted by their examples average to the estimate over all of them, one
+    // process's. Under DP-KFAC a layer's owner estimates it from its own examples, as its factors:
+    // one process over the owner's examples. Step 0 computes bases and S afresh, step 1 averages S
+    // into the old bases, step 2 again afresh. Under the per-example statistics each rank's output
+    // gradients are its own mean loss's, N/N_r times one process's (as a data-parallel host's are),
+    // and S is N_r² times its estimate there (under DP-KFAC the owner's own, which one process over
+    // its examples sees too).
+    const int world = world_size();
+    struct setup {
+        kfac::distribution strategy;
+        double fraction;
+    };
+    for (const setup s : {setup{kfac::distribution::kaisa, kfac::comm_opt}, setup{kfac::distribution::kaisa, kfac::hybrid_opt},
+                          setup{kfac::distribution::kaisa, kfac::mem_opt}, setup{kfac::distribution::dp_kfac, kfac::comm_opt}})
+        for (const auto statistics : {kfac::statistic_scale::reference, kfac::statistic_scale::per_example}) {
+            if (s.fraction == kfac::hybrid_opt && world % 2 != 0 && world != 1) continue;
+            const bool dp = s.strategy == kfac::distribution::dp_kfac;
+            INFO("dp_kfac " << dp << ", fraction " << s.fraction << ", " << kfac::detail::option_value_name(statistics));
+            kfac::options o;
+            o.strategy = s.strategy;
+            o.grad_worker_fraction = s.fraction;
+            o.damping = 0.01;
+            o.inv_update_steps = 2;
+            o.statistics = statistics;
+            if (statistics == kfac::statistic_scale::per_example) o.averaging = kfac::factor_averaging::bias_corrected;
+            mpi_kfac<kfac::compute::ekfac> p(o, make_comm());
+            kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, kfac::compute::ekfac> whole(o);
+            conv1d_and_tokens mine, all;
+            mine.register_with(p);
+            all.register_with(whole);
+            const double mean_loss_ratio = static_cast<double>(conv1d_and_tokens::total_examples()) /
+                                           static_cast<double>(conv1d_and_tokens::examples_of(world_rank()));
+            for (std::uint32_t step = 0; step < 3; ++step) {
+                INFO("step " << step);
+                mine.load_mine(step);
+                if (dp)
+                    all.load_owners(p.workers("conv").g, p.workers("seq").g, step);
+                else
+                    all.load_all(step);
+                if (statistics == kfac::statistic_scale::per_example && !dp)
+                    for (auto* g : {&mine.conv.grad_output, &mine.seq.grad_output})
+                        for (auto& x : *g) x *= mean_loss_ratio;
+                p.step();
+                whole.step();
+                // The factors are summed in another order (per rank, then across): ~1e-15 relative.
+                // Unlike K-FAC's P, EKFAC's S is not invariant under a rotation of the bases, and the
+                // eigenvectors move by that perturbation over the relative eigengap (Davis–Kahan): with
+                // κ = λ_max / min gap of a layer's factors, the bases, S and P (S enters through a
+                // division damped by γ = 0.01, ≤ 10² amplification) differ by about 1e-15 · κ · 10²,
+                // bounded by 1e-12 · κ (+ 1e-10, the eigen method's bound for these layers). An
+                // estimate not weighted by the ranks' examples misses it by orders of magnitude more.
+                auto conditioning = [&](const std::string& name) {
+                    double kappa = 1.0;
+                    for (const bool a : {true, false}) {
+                        const mat<double> f = a ? whole.a_factor(name) : whole.g_factor(name);
+                        Eigen::SelfAdjointEigenSolver<mat<double>> solver(f);
+                        const auto& lambda = solver.eigenvalues();
+                        double gap = std::numeric_limits<double>::infinity();
+                        for (Eigen::Index i = 1; i < lambda.size(); ++i) gap = std::min(gap, lambda(i) - lambda(i - 1));
+                        kappa = std::max(kappa, lambda.cwiseAbs().maxCoeff() / gap);
+                    }
+                    return kappa;
+                };
+                const double conv_tolerance = 1e-10 + 1e-12 * conditioning("conv");
+                const double seq_tolerance = 1e-10 + 1e-12 * conditioning("seq");
+                INFO("tolerances " << conv_tolerance << ", " << seq_tolerance);
+                CHECK(buffer_rel_err(mine.conv.grad_weight, all.conv.grad_weight) < conv_tolerance);
+                CHECK(buffer_rel_err(mine.conv.grad_bias, all.conv.grad_bias) < conv_tolerance);
+                CHECK(buffer_rel_err(mine.seq.grad_weight, all.seq.grad_weight) < seq_tolerance);
+            }
         }
-    }
 }
 
-TEST_CASE("EKFAC on several ranks refuses strategies other than COMM_OPT on every rank", "[mpi][ekfac][errors]") {
-    if (world_size() == 1) return;  // one process takes every strategy (the test above)
-    kfac::options mem;
-    mem.grad_worker_fraction = kfac::mem_opt;
-    CHECK_THROWS_WITH(mpi_kfac<kfac::compute::ekfac>(mem, make_comm()),
-                      Contains("compute::ekfac does not support several ranks under KAISA with grad_worker_fraction = 0"));
-    kfac::options dp;
-    dp.strategy = kfac::distribution::dp_kfac;
-    CHECK_THROWS_WITH(mpi_kfac<kfac::compute::ekfac>(dp, make_comm()), Contains("several ranks under DP-KFAC"));
+TEST_CASE("EKFAC checkpoints: S saved under MEM_OPT resumes under every KAISA strategy and in one process",
+          "[mpi][ekfac][checkpoint]") {
+    // Bases are new at steps 0, 2 and 4 (inv_update_steps = 2). The save after step 2 holds S as
+    // just estimated in that step's bases, and step 3 averages into it (S ← ξS + (1 − ξ)Ŝ): step
+    // 3's gradient reads the saved S and bases. Under MEM_OPT a layer's S lives on its one
+    // gradient worker; the checkpoint gathers it from there and a loading strategy hands it to
+    // the ranks that keep it. At the same world size every strategy does the same arithmetic on
+    // the same values (the same allreduces; each decomposition on one rank, with the same code),
+    // so the resumed steps equal the straight run's bit for bit. One process over every rank's
+    // examples continues step 3 from the file with its factors and S summed in another order
+    // (~1e-15 relative) and no decomposition between: 1e-10 bounds it.
+    const int world = world_size();
+    using ekfac_mpi = mpi_kfac<kfac::compute::ekfac>;
+    auto options_for = [](double fraction) {
+        kfac::options o;
+        o.grad_worker_fraction = fraction;
+        o.damping = 0.01;
+        o.inv_update_steps = 2;
+        o.factor_decay = 0.7;
+        return o;
+    };
+    auto run = [](auto& p, conv1d_and_tokens& m, std::uint32_t from, std::uint32_t to) {
+        std::vector<std::vector<double>> grads;
+        for (std::uint32_t step = from; step < to; ++step) {
+            m.load_mine(step);
+            p.step();
+            grads.push_back(m.conv.grad_weight);
+            grads.push_back(m.seq.grad_weight);
+        }
+        return grads;
+    };
+    ekfac_mpi straight(options_for(kfac::mem_opt), make_comm());
+    conv1d_and_tokens s;
+    s.register_with(straight);
+    const auto expected = run(straight, s, 0, 5);  // steps 3 and 4 at [6, 10)
+    ekfac_mpi saving(options_for(kfac::mem_opt), make_comm());
+    conv1d_and_tokens m;
+    m.register_with(saving);
+    run(saving, m, 0, 3);
+    const std::string bytes = saving.save_bytes();
+    for (const double fraction : {kfac::comm_opt, kfac::hybrid_opt, kfac::mem_opt}) {
+        if (fraction == kfac::hybrid_opt && world % 2 != 0 && world != 1) continue;
+        INFO("resumed with grad_worker_fraction " << fraction);
+        ekfac_mpi resumed(options_for(fraction), make_comm());
+        conv1d_and_tokens r;
+        r.register_with(resumed);
+        resumed.load_bytes(bytes, {.allow_changed_options = true});
+        const auto got = run(resumed, r, 3, 5);
+        for (std::size_t k = 0; k < got.size(); ++k) CHECK(got[k] == expected[6 + k]);
+    }
+    if (world_rank() != 0) return;
+    kfac::KFAC<kfac::backend::cpu_eigen<double>, kfac::comm::serial, kfac::compute::ekfac> single(options_for(kfac::comm_opt));
+    conv1d_and_tokens all;
+    all.register_with(single);
+    single.load_bytes(bytes, {.allow_changed_options = true});
+    all.load_all(3);
+    single.step();
+    CHECK(buffer_rel_err(all.conv.grad_weight, expected[6]) < 1e-10);
+    CHECK(buffer_rel_err(all.seq.grad_weight, expected[7]) < 1e-10);
 }
 
 TEMPLATE_TEST_CASE("Embedding layers: ranks with different token counts equal one process with all of them",

@@ -8,6 +8,7 @@
 
 #include <kfac/backend/detail/cpu_ekfac_scaling.hpp>
 
+#include "unit/applied_layer.hpp"
 #include "unit/test_util.hpp"
 
 using namespace kfac_test;
@@ -113,6 +114,89 @@ TEST_CASE("ekfac: S is the step's scaling statistic in the new bases, then its r
     CHECK(rel_err(got.reshaped(), p_t.reshaped()) < 440 * eps<double>());
 }
 
+TEST_CASE("ekfac: S of a step of several accumulate() passes is the mean over all its examples", "[ekfac]") {
+    // 12 examples in passes of 5 and 7. Under the reference statistics each pass's estimate is
+    // the mean over its examples of their gradients squared in the basis (the host's gradients as
+    // given), and the step's S the mean over all 12: N_p-weighted. Under the per-example ones a
+    // pass's gradients carry its own mean loss's 1/N_p, and S is the mean of the examples' own
+    // squared gradients: the definition's kernel over all 12 rows with their own gradients. The
+    // passes' means are formed and weighted in another order than one pass's: sums of 12 positive
+    // terms, ≤ 3 roundings more per entry, 100u bounds them.
+    const std::int64_t n = 12, in = 5, out = 4, split = 5;
+    const auto x = random_vector<double>(static_cast<std::size_t>(n * in), 41);
+    const auto own = random_vector<double>(static_cast<std::size_t>(n * out), 42);  // each example's own dL_n/dy
+    for (const auto statistics : {kfac::statistic_scale::reference, kfac::statistic_scale::per_example}) {
+        INFO(kfac::detail::option_value_name(statistics));
+        const bool per_example = statistics == kfac::statistic_scale::per_example;
+        kfac::options o;
+        o.accumulation_steps = 2;
+        o.statistics = statistics;
+        if (per_example) o.averaging = kfac::factor_averaging::bias_corrected;
+        o.damping = 0.01;
+        ekfac_precond p(o);
+        auto layer = random_linear<double>(n, in, out, true, 43);
+        p.register_layer("fc", layer.view);
+        auto load = [&](std::int64_t from, std::int64_t count) {  // examples [from, from + count)
+            layer.input.assign(x.begin() + from * in, x.begin() + (from + count) * in);
+            layer.grad_output.assign(own.begin() + from * out, own.begin() + (from + count) * out);
+            if (per_example)  // the pass's mean loss
+                for (auto& v : layer.grad_output) v /= static_cast<double>(count);
+            layer.input_shape = {count, in};
+            layer.output_shape = {count, out};
+            layer.bind();
+        };
+        load(0, split);
+        p.accumulate();
+        load(split, n - split);
+        p.step();
+        const auto saved = kfac::checkpoint::parse(p.save_bytes(), "step 0");
+        const auto& d = layer.view.description;
+        const mat<double> q_a = ekfac_saved(saved, "fc.A.eigenvectors", d.a_dim(), d.a_dim());
+        const mat<double> q_g = ekfac_saved(saved, "fc.G.eigenvectors", d.g_dim(), d.g_dim());
+        const mat<double> s = ekfac_saved(saved, "fc.scaling", d.a_dim(), d.g_dim());
+        auto all = random_linear<double>(n, in, out, true, 44);
+        all.input = x;
+        all.grad_output = own;  // as the host gave them (reference), or each example's own (per_example)
+        all.bind();
+        const mat<double> expected = ekfac_estimate(all, q_a, q_g);
+        CHECK(rel_err(s.reshaped(), expected.reshaped()) < 100 * eps<double>());
+        // Not the passes' plain mean (1/2)(Ŝ₁ + Ŝ₂), which weighs the 5 examples as the 7.
+        load(0, split);
+        const mat<double> s1 = ekfac_estimate(layer, q_a, q_g);
+        load(split, n - split);
+        const mat<double> s2 = ekfac_estimate(layer, q_a, q_g);
+        const double f1 = per_example ? double(split * split) : 1.0, f2 = per_example ? double((n - split) * (n - split)) : 1.0;
+        CHECK(rel_err(s.reshaped(), mat<double>((f1 * s1 + f2 * s2) / 2.0).reshaped()) > 1e-3);
+    }
+}
+
+TEST_CASE("ekfac: a layer applied twice in a pass sums each example's two gradients", "[ekfac]") {
+    // A shared weight applied to both halves of a pair (a siamese branch): example n's gradient is
+    // Γ_{n,1} + Γ_{n,2}, squared after the sum. S after the step is the applications' kernel over
+    // both, in the bases the step computed: the same kernel on the same rows, to the bit.
+    kfac_test::applied_layer<double> shared(4, 3, true);
+    shared.apply(6, 11);
+    shared.apply(6, 21);
+    auto first = shared.applications[0], second = shared.applications[1];
+    first.bind();  // the copies' views point into their own buffers
+    second.bind();
+    kfac::options o;
+    o.damping = 0.01;
+    ekfac_precond p(o);
+    p.register_layer("shared", shared);
+    p.step();
+    const auto saved = kfac::checkpoint::parse(p.save_bytes(), "step 0");
+    const auto& d = shared.description;
+    const mat<double> q_a = ekfac_saved(saved, "shared.A.eigenvectors", d.a_dim(), d.a_dim());
+    const mat<double> q_g = ekfac_saved(saved, "shared.G.eigenvectors", d.g_dim(), d.g_dim());
+    mat<double> expected;
+    kfac::backend::detail::ekfac_scaling_scratch<double> ws;
+    kfac::backend::detail::accumulate_ekfac_scaling(
+        expected, d, std::vector<kfac::tensor_view<const double>>{first.view.input, second.view.input},
+        std::vector<kfac::tensor_view<const double>>{first.view.grad_output, second.view.grad_output}, q_a, q_g, 0.0, ws);
+    CHECK(ekfac_saved(saved, "shared.scaling", d.a_dim(), d.g_dim()) == expected);
+}
+
 TEST_CASE("ekfac: with S = λ_A λ_Gᵀ it is the eigen method bit for bit, and not with its own S", "[ekfac]") {
     // factor_update_steps 2 and inv_update_steps 3: step 3 computes new bases without a factor
     // update, so EKFAC's S is K-FAC's λ_A λ_Gᵀ there; at step 0 it is the estimate.
@@ -194,17 +278,10 @@ TEST_CASE("ekfac: what it does not support is refused by name", "[ekfac][errors]
     CHECK_THROWS_WITH(p.register_layer("emb", embedding.view),
                       Catch::Contains("'emb'") && Catch::Contains("compute::ekfac preconditions layers whose factors "
                                                                   "are a dense Kronecker pair"));
-    auto grouped = random_conv<double>(2, 4, 4, {{3, 3}, {1, 1}, {1, 1}, {1, 1}, 2}, true, 6, 6, 3);
-    CHECK_THROWS_WITH(p.register_layer("conv", grouped.view),
-                      Catch::Contains("grouped convolutions") && Catch::Contains("options.skip_layers"));
     kfac::options skipping;
     skipping.skip_layers = {"emb"};  // the fix the message gives
     ekfac_precond q(skipping);
     CHECK_FALSE(q.register_layer("emb", embedding.view));
-    kfac::options accumulating;
-    accumulating.accumulation_steps = 2;
-    CHECK_THROWS_WITH(ekfac_precond(accumulating), Catch::Contains("compute::ekfac does not support "
-                                                                   "options.accumulation_steps = 2"));
     kfac::options factored;
     factored.damping_mode = kfac::damping_form::factored;
     CHECK_THROWS_WITH(ekfac_precond(factored), Catch::Contains("relative or factored damping"));

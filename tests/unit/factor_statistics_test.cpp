@@ -357,6 +357,86 @@ TEMPLATE_TEST_CASE("EKFAC scaling of a convolution equals its per-example gradie
     }
 }
 
+TEMPLATE_TEST_CASE("EKFAC scaling of a layer applied several times sums each example's gradients first",
+                   "[statistics][ekfac]", float, double) {
+    // A shared weight's gradient of example n is Σ_k Γ_{n,k} over its applications k: the
+    // reference sums the applications' per-example gradients (and their magnitudes, for the bound,
+    // whose position count is every application's), then squares in the basis.
+    using T = TestType;
+    using views = std::vector<kfac::tensor_view<const T>>;
+    auto sum_examples = [](ekfac_example_gradients x, const ekfac_example_gradients& y) {
+        for (std::size_t e = 0; e < x.gradient.size(); ++e) {
+            x.gradient[e] += y.gradient[e];
+            x.magnitude[e] += y.magnitude[e];
+        }
+        return x;
+    };
+    const std::int64_t n = 3;
+    for (const auto sharing : {kfac::weight_sharing::expand, kfac::weight_sharing::reduce}) {
+        INFO("Linear, two applications of 2 and 3 tokens, " << (sharing == kfac::weight_sharing::reduce ? "reduce" : "expand"));
+        auto d = kfac::linear_description(4, 3, true);
+        d.sharing = sharing;
+        const std::int64_t r0 = 2, r1 = 3;
+        const auto x0 = random_vector<T>(static_cast<std::size_t>(n * r0 * d.in), 401);
+        const auto g0 = random_vector<T>(static_cast<std::size_t>(n * r0 * d.out), 402, 0.1);
+        const auto x1 = random_vector<T>(static_cast<std::size_t>(n * r1 * d.in), 403);
+        const auto g1 = random_vector<T>(static_cast<std::size_t>(n * r1 * d.out), 404, 0.1);
+        const mat<T> q_a = ekfac_random_basis<T>(d.a_dim(), 405), q_g = ekfac_random_basis<T>(d.g_dim(), 406);
+        mat<T> s;
+        kfac::backend::detail::ekfac_scaling_scratch<T> ws;
+        kfac::backend::detail::accumulate_ekfac_scaling(
+            s, d, views{kfac::tensor_view<const T>(x0.data(), {n, r0, d.in}), kfac::tensor_view<const T>(x1.data(), {n, r1, d.in})},
+            views{kfac::tensor_view<const T>(g0.data(), {n, r0, d.out}), kfac::tensor_view<const T>(g1.data(), {n, r1, d.out})},
+            q_a, q_g, T(0), ws);
+        const auto both = sum_examples(ekfac_linear_gradients(d, x0, g0, n, r0), ekfac_linear_gradients(d, x1, g1, n, r1));
+        CHECK(ekfac_within_bound(s, ekfac_reference_of(both, q_a, q_g, r0 + r1)));
+        // Not the sum of the applications' own scalings: the cross terms 2·Γ_{n,0}Γ_{n,1} count.
+        mat<T> apart0, apart1;
+        kfac::backend::detail::accumulate_ekfac_scaling(apart0, d, kfac::tensor_view<const T>(x0.data(), {n, r0, d.in}),
+                                                        kfac::tensor_view<const T>(g0.data(), {n, r0, d.out}), q_a, q_g, T(0), ws);
+        kfac::backend::detail::accumulate_ekfac_scaling(apart1, d, kfac::tensor_view<const T>(x1.data(), {n, r1, d.in}),
+                                                        kfac::tensor_view<const T>(g1.data(), {n, r1, d.out}), q_a, q_g, T(0), ws);
+        CHECK_FALSE(ekfac_within_bound(mat<T>(apart0 + apart1), ekfac_reference_of(both, q_a, q_g, r0 + r1)));
+    }
+    {
+        INFO("Conv2d, two applications on 6x6 and 5x7 inputs");
+        const kfac::conv2d_geometry geometry{{3, 3}, {1, 1}, {1, 1}, {1, 1}, 1};
+        const auto d = kfac::conv2d_description(2, 3, geometry, true);
+        const std::int64_t h0 = 6, w0 = 6, h1 = 5, w1 = 7;  // padding 1, 3x3: outputs of the inputs' sizes
+        const auto x0 = random_vector<T>(static_cast<std::size_t>(n * d.in * h0 * w0), 411);
+        const auto g0 = random_vector<T>(static_cast<std::size_t>(n * d.out * h0 * w0), 412, 0.1);
+        const auto x1 = random_vector<T>(static_cast<std::size_t>(n * d.in * h1 * w1), 413);
+        const auto g1 = random_vector<T>(static_cast<std::size_t>(n * d.out * h1 * w1), 414, 0.1);
+        const mat<T> q_a = ekfac_random_basis<T>(d.a_dim(), 415), q_g = ekfac_random_basis<T>(d.g_dim(), 416);
+        mat<T> s;
+        kfac::backend::detail::ekfac_scaling_scratch<T> ws;
+        kfac::backend::detail::accumulate_ekfac_scaling(
+            s, d,
+            views{kfac::tensor_view<const T>(x0.data(), {n, d.in, h0, w0}), kfac::tensor_view<const T>(x1.data(), {n, d.in, h1, w1})},
+            views{kfac::tensor_view<const T>(g0.data(), {n, d.out, h0, w0}), kfac::tensor_view<const T>(g1.data(), {n, d.out, h1, w1})},
+            q_a, q_g, T(0), ws);
+        const auto both = sum_examples(ekfac_conv_gradients(d, x0, g0, n, h0, w0), ekfac_conv_gradients(d, x1, g1, n, h1, w1));
+        CHECK(ekfac_within_bound(s, ekfac_reference_of(both, q_a, q_g, h0 * w0 + h1 * w1)));
+    }
+    {
+        INFO("one application is the one-application kernel, to the bit; different examples are refused");
+        const auto d = kfac::linear_description(4, 3, true);
+        const auto x = random_vector<T>(static_cast<std::size_t>(n * 2 * d.in), 421);
+        const auto g = random_vector<T>(static_cast<std::size_t>(n * 2 * d.out), 422, 0.1);
+        const mat<T> q_a = ekfac_random_basis<T>(d.a_dim(), 423), q_g = ekfac_random_basis<T>(d.g_dim(), 424);
+        const kfac::tensor_view<const T> xv(x.data(), {n, 2, d.in}), gv(g.data(), {n, 2, d.out});
+        mat<T> one, many;
+        kfac::backend::detail::ekfac_scaling_scratch<T> ws;
+        kfac::backend::detail::accumulate_ekfac_scaling(one, d, xv, gv, q_a, q_g, T(0), ws);
+        kfac::backend::detail::accumulate_ekfac_scaling(many, d, views{xv}, views{gv}, q_a, q_g, T(0), ws);
+        CHECK(one == many);
+        const kfac::tensor_view<const T> fewer_x(x.data(), {n - 1, 2, d.in}), fewer_g(g.data(), {n - 1, 2, d.out});
+        CHECK_THROWS_WITH(kfac::backend::detail::accumulate_ekfac_scaling(many, d, views{xv, fewer_x}, views{gv, fewer_g},
+                                                                          q_a, q_g, T(0), ws),
+                          Catch::Contains("application 1 holds 2 examples, application 0 3"));
+    }
+}
+
 TEST_CASE("EKFAC scaling with identity bases is the empirical Fisher's diagonal, and beta adds",
           "[statistics][ekfac]") {
     // Q = I: Ŝᵀ(j, i) = (1/N) Σ_n Γ_n(i, j)², each example's own squared gradient.

@@ -5,6 +5,8 @@
 // convolutions it equals.
 #include <catch2/catch.hpp>
 
+#include <string_view>
+
 #include <Eigen/Dense>
 
 #include "unit/test_util.hpp"
@@ -142,8 +144,8 @@ TEST_CASE("a grouped convolution preconditions as its groups run as separate con
     };
     const std::int64_t n = 3, h = 6, w = 7;
     for (const auto& cc : cases) {
-        for (const bool eigen : {true, false}) {
-            INFO(cc.what << (eigen ? ", eigen" : ", inverse"));
+        for (const char* method : {"eigen", "inverse", "ekfac"}) {
+            INFO(cc.what << ", " << method);
             const bool one_d = cc.kind == kfac::layer_kind::conv1d;
             const std::int64_t height = one_d ? 1 : h;
             auto geometry = [&](std::int64_t groups) {
@@ -182,6 +184,7 @@ TEST_CASE("a grouped convolution preconditions as its groups run as separate con
             opts.threads = 2;
             using eigen_kfac = kfac::KFAC<backend<T>, kfac::comm::serial, kfac::compute::eigendecomposition>;
             using inverse_kfac = kfac::KFAC<backend<T>, kfac::comm::serial, kfac::compute::inverse>;
+            using ekfac_kfac = kfac::KFAC<backend<T>, kfac::comm::serial, kfac::compute::ekfac>;
             auto run = [&](auto& grouped, auto& separate) {
                 owned_layer<T> whole;
                 whole.view.description = describe(cc.c_in, cc.c_out, cc.groups);
@@ -232,11 +235,14 @@ TEST_CASE("a grouped convolution preconditions as its groups run as separate con
                     CHECK(grouped.last_kl_scale() == separate.last_kl_scale());
                 }
             };
-            if (eigen) {
+            if (method == std::string_view("eigen")) {
                 eigen_kfac grouped(opts), separate(opts);
                 run(grouped, separate);
-            } else {
+            } else if (method == std::string_view("inverse")) {
                 inverse_kfac grouped(opts), separate(opts);
+                run(grouped, separate);
+            } else {  // each group's scaling from its own channels' per-example gradients
+                ekfac_kfac grouped(opts), separate(opts);
                 run(grouped, separate);
             }
         }

@@ -27,12 +27,17 @@
 /// bit, the eigen method with compute_eigenvalue_outer_product = false.
 ///
 /// What it supports so far (each other case is refused by name when the preconditioner is
-/// built or a layer registered): the CPU backend; one process, or several under KAISA's COMM_OPT
-/// (grad_worker_fraction = 1: every rank holds every layer's bases, estimates S from its own
-/// examples, and one allreduce per factor update averages the estimates by examples);
-/// layers whose factors are a dense Kronecker pair of one group (Linear, Conv1d, Conv2d), with
-/// weight sharing expand or reduce, applied once per pass; options.accumulation_steps = 1,
-/// either statistics (under per_example, S is N²·Ŝ: the per-example Fisher's diagonal, as
+/// built or a layer registered): the CPU backend; one process, or several under every KAISA
+/// strategy and DP-KFAC (kfac/detail/engine_second_order.hpp, update_scaling(): under KAISA
+/// every rank projects its own examples into the layer's bases, which a layer's column
+/// broadcasts to the other ranks under HYBRID_OPT and MEM_OPT, and one allreduce per factor
+/// update averages the estimates by examples; under DP-KFAC the owner estimates S from its own
+/// examples, as its factors); layers whose factors are a dense Kronecker pair of one group
+/// (Linear, Conv1d, Conv2d, and each group of a grouped convolution, from its own channels),
+/// with weight sharing expand or reduce; a layer applied several times in a pass (an example's
+/// gradient sums its applications' before the square); several passes per step (accumulate():
+/// every pass's rows are kept to the step, and S is the mean over all their examples); either
+/// statistics (under per_example, S is N²·Ŝ: the per-example Fisher's diagonal, as
 /// A and G are its factors; kfac/detail/statistic_scale.hpp), either averaging of the factors,
 /// and the reference damping.
 
@@ -48,6 +53,8 @@
 #include "kfac/checkpoint/second_order_checks.hpp"
 #include "kfac/compute/eigendecomposition.hpp"
 #include "kfac/detail/compute_impl.hpp"
+#include "kfac/detail/statistic_scale.hpp"
+#include "kfac/detail/statistics_views.hpp"
 #include "kfac/layers/layer_description.hpp"
 #include "kfac/layers/tensor_view.hpp"
 #include "kfac/options.hpp"
@@ -96,14 +103,21 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
         matrix inverse_eigen_product;
         bool has_product = false;
     };
-    /// Preconditioning scratch, and one pass's activations and output gradients kept from the
-    /// capture to the scaling's estimate (after the step's inverse update).
+    /// One pass's activations and output gradients as the statistics read them, copied at the
+    /// capture and kept to the step's estimate (after its inverse update): one pair per
+    /// application of the layer in the pass, and the loss scale the pass was taken under.
+    struct kept_pass {
+        std::vector<std::vector<scalar>> activation_copies, gradient_copies;
+        std::vector<tensor_view<const scalar>> activations, output_gradients;  ///< views of the copies
+        double loss_scale = 1.0;
+    };
+    /// Preconditioning scratch, the step's kept passes, and the estimate's scratch.
     struct workspace {
         matrix t1, t2;
-        std::vector<scalar> kept_activations, kept_gradients;
-        tensor_view<const scalar> activations, output_gradients;  ///< views of the kept copies
+        std::vector<kept_pass> kept;  ///< this step's passes (several with accumulate())
         backend::detail::ekfac_scaling_scratch<scalar> scaling_ws;
-        matrix estimate;  ///< Ŝᵀ of the step
+        matrix estimate;       ///< Ŝᵀ of the step
+        matrix pass_estimate;  ///< one pass's, when the step has several
     };
 
     /// No product is precomputed: S starts as λ_A λ_Gᵀ, K-FAC's scaling, until estimated.
@@ -164,38 +178,70 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
             return std::string("compute::ekfac preconditions layers whose factors are a dense Kronecker pair "
                                "(Linear, Conv1d, Conv2d); this layer's kind, ") +
                    kind_name(d.kind) + ", has none: skip it (options.skip_layers) or use compute::eigendecomposition";
-        if (d.groups() > 1)
-            return "compute::ekfac does not support grouped convolutions yet (groups = " + std::to_string(d.groups()) +
-                   "): skip it (options.skip_layers) or use compute::eigendecomposition";
         return {};
     }
 
-    /// Keeps copies of one application's views (as the statistics read them) for the estimate.
-    static void keep_rows(workspace& w, tensor_view<const scalar> a, tensor_view<const scalar> g) {
-        w.kept_activations.assign(a.data, a.data + a.size());
-        w.kept_gradients.assign(g.data, g.data + g.size());
-        w.activations = a;
-        w.activations.data = w.kept_activations.data();
-        w.output_gradients = g;
-        w.output_gradients.data = w.kept_gradients.data();
+    /// Keeps copies of one pass's views, every application's (as the statistics read them), and
+    /// its loss scale; the step's first pass drops what an earlier, unfinished step left.
+    static void keep_rows(workspace& w, const std::vector<tensor_view<const scalar>>& a,
+                          const std::vector<tensor_view<const scalar>>& g, double loss_scale, bool first_pass) {
+        if (first_pass) w.kept.clear();
+        kept_pass& pass = w.kept.emplace_back();
+        pass.loss_scale = loss_scale;
+        for (std::size_t k = 0; k < a.size(); ++k) {
+            pass.activation_copies.emplace_back(a[k].data, a[k].data + a[k].size());
+            pass.gradient_copies.emplace_back(g[k].data, g[k].data + g[k].size());
+        }
+        for (std::size_t k = 0; k < a.size(); ++k) {  // views once the copies stopped moving
+            pass.activations.push_back(a[k]);
+            pass.activations.back().data = pass.activation_copies[k].data();
+            pass.output_gradients.push_back(g[k]);
+            pass.output_gradients.back().data = pass.gradient_copies[k].data();
+        }
     }
-    [[nodiscard]] static bool has_kept_rows(const workspace& w) { return !w.kept_activations.empty(); }
-    static void release_rows(workspace& w) {
-        w.kept_activations = {};
-        w.kept_gradients = {};
-        w.activations = {};
-        w.output_gradients = {};
+    [[nodiscard]] static bool has_kept_rows(const workspace& w) { return !w.kept.empty(); }
+    [[nodiscard]] static std::size_t kept_passes(const workspace& w) { return w.kept.size(); }
+    /// Drops the passes after the first `passes` (a pass whose capture failed).
+    static void keep_only(workspace& w, std::size_t passes) {
+        if (w.kept.size() > passes) w.kept.resize(passes);
+    }
+    static void release_rows(workspace& w) { w.kept = {}; }
+    /// The examples of the step's kept passes (each pass's examples are its own).
+    [[nodiscard]] static std::int64_t kept_examples(const layer_description& d, const workspace& w) {
+        std::int64_t n = 0;
+        for (const auto& pass : w.kept) n += examples_in(d, pass.activations.front());
+        return n;
     }
 
-    /// w.estimate ← `scale`·Ŝᵀ from the kept rows in l's bases, the output gradients' loss scale
-    /// removed (Ŝ is quadratic in them): scale is 1 under the reference statistics and N² under
-    /// the per-example ones (per_example_scaling_scale()). False: it is not finite.
-    static bool estimate_scaling(const layer_data& l, const layer_description& d, double scale, double loss_scale,
-                                 workspace& w) {
-        backend::detail::accumulate_ekfac_scaling(w.estimate, d, w.activations, w.output_gradients, l.a.q, l.g.q,
-                                                  scalar(0), w.scaling_ws);
-        const double factor = scale / (loss_scale * loss_scale);  // 1/s² as ever for scale 1
-        if (factor != 1.0) w.estimate *= static_cast<scalar>(factor);
+    /// w.estimate ← Ŝᵀ from the kept passes in l's bases: each pass's estimate (an example's
+    /// gradient summing its applications), the pass's loss scale s removed (Ŝ is quadratic in the
+    /// output gradients: 1/s²) and, under the per-example statistics, times N_p² (N_p the pass's
+    /// examples: per_example_scaling_scale()); several passes (accumulate()) are averaged weighted
+    /// by their examples, the mean over every example of the step. False: it is not finite.
+    static bool estimate_scaling(const layer_data& l, const layer_description& d, bool per_example, workspace& w) {
+        auto factor_of = [&](const kept_pass& pass) {
+            const double scale = per_example ? detail::per_example_scaling_scale(d, pass.activations.front()) : 1.0;
+            return scale / (pass.loss_scale * pass.loss_scale);  // 1/s² as ever for scale 1
+        };
+        if (w.kept.size() == 1) {
+            const kept_pass& pass = w.kept.front();
+            backend::detail::accumulate_ekfac_scaling(w.estimate, d, pass.activations, pass.output_gradients, l.a.q,
+                                                      l.g.q, scalar(0), w.scaling_ws);
+            const double factor = factor_of(pass);
+            if (factor != 1.0) w.estimate *= static_cast<scalar>(factor);
+            return w.estimate.allFinite();
+        }
+        w.estimate = matrix::Zero(d.a_dim(), d.g_dim());
+        double examples = 0.0;
+        for (const kept_pass& pass : w.kept) {
+            backend::detail::accumulate_ekfac_scaling(w.pass_estimate, d, pass.activations, pass.output_gradients,
+                                                      l.a.q, l.g.q, scalar(0), w.scaling_ws);
+            const auto n = static_cast<double>(examples_in(d, pass.activations.front()));
+            w.estimate += static_cast<scalar>(n * factor_of(pass)) * w.pass_estimate;
+            examples += n;
+        }
+        w.pass_estimate = matrix{};
+        if (examples > 0.0) w.estimate /= static_cast<scalar>(examples);
         return w.estimate.allFinite();
     }
     /// S ← Ŝ (`restart`: the bases are new) or S ← ξS + (1 − ξ)Ŝ.

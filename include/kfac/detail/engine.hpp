@@ -39,9 +39,12 @@
 ///                       exist, and completed here one by one
 ///   update_second_order agree (decompositions), then per layer in registration order whose data
 ///                       is shared: broadcasts of the A payloads, then the G payloads (column group)
-///   update_scaling      compute::ekfac with several ranks (COMM_OPT) on factor-update steps:
-///                       the second-order broadcasts completed, then an allreduce_sum of every
-///                       layer's scaling estimate (times its examples) and the examples, bucketed
+///   update_scaling      compute::ekfac with several ranks under KAISA on factor-update steps:
+///                       the second-order broadcasts completed; with columns of fewer ranks than
+///                       the world (HYBRID_OPT, MEM_OPT) an allreduce_max (which layers hold
+///                       data), then per such layer in order broadcasts of Q_A and Q_G from its A
+///                       and G workers to the world; then an allreduce_sum of every layer's
+///                       scaling estimate (times its examples) and the examples, bucketed
 ///   precondition_all    agree (preconditioning), per layer in order whose gradient is shared:
 ///                       a broadcast of Pᵀ (gradient group), then allreduce_max (unusable layers)
 ///   kl_clip_scale, commit: none (every rank holds every Pᵀ)

@@ -102,13 +102,8 @@ void engine<Backend, CommPolicy, ComputeMethod>::capture_pass(bool post_factor_s
         l.statistics.pass_rows = static_cast<scalar_type>(rows);
         l.statistics.pass_applications = n;
         if (n == 0) continue;
-        if constexpr (method_estimating_scaling<method>) {  // the rows update_scaling() reads
-            if (n > 1)
-                throw layer_error(named(l), "compute::ekfac needs one application of a layer per pass (its "
-                                            "per-example gradient sums the calls' contributions, which is not "
-                                            "supported yet); it was applied " + std::to_string(n) + " times");
-            method::keep_rows(l.scratch.method_ws, a[0], g[0]);
-        }
+        if constexpr (method_estimating_scaling<method>)  // the rows update_scaling() reads
+            method::keep_rows(l.scratch.method_ws, a, g, pass_loss_scale_, /*first_pass=*/passes_ == 0);
         std::vector<statistic_scales> scales;
         if (options_.statistics == statistic_scale::per_example) {
             const layer_description block = d.group_block();
@@ -224,6 +219,9 @@ void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update,
     std::vector<std::pair<matrix, matrix>> folded;  // a_sum, g_sum before this pass (accumulate() passes only)
     if (factor_update && passes_ > 0)
         for (const auto& l : layers_) folded.emplace_back(l.statistics.a_sum, l.statistics.g_sum);
+    std::vector<std::size_t> kept_passes;  // the passes a scaling estimate keeps, before this one
+    if constexpr (method_estimating_scaling<method>)
+        for (const auto& l : layers_) kept_passes.push_back(passes_ == 0 ? 0 : method::kept_passes(l.scratch.method_ws));
     try {
         if (factor_update) capture_pass(last_pass && posts_factor_sums_early());
         agree_on([&] { end_pass(); });
@@ -240,6 +238,8 @@ void engine<Backend, CommPolicy, ComputeMethod>::finish_pass(bool factor_update,
             layers_[i].statistics.a_sum = std::move(folded[i].first);
             layers_[i].statistics.g_sum = std::move(folded[i].second);
         }
+        if constexpr (method_estimating_scaling<method>)
+            for (std::size_t i = 0; i < kept_passes.size(); ++i) method::keep_only(layers_[i].scratch.method_ws, kept_passes[i]);
         throw;
     }
 }

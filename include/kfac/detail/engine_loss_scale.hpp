@@ -65,6 +65,8 @@ void engine<Backend, CommPolicy, ComputeMethod>::skip() {
     agree_on([&] { end_pass(); });
     passes_ = 0;
     applied_in_step_ = false;
+    if constexpr (method_estimating_scaling<method>)  // the rows of the step's accumulate() passes
+        for (auto& l : layers_) method::release_rows(l.scratch.method_ws);
     health_.add({.skipped_steps = 1});
 }
 

@@ -170,14 +170,23 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_second_order(const step_
 }
 
 /// The scaling of every layer that holds second-order data, from the rows this step's capture
-/// kept, in the bases in force. One rank: its estimate. Several (KAISA's COMM_OPT, where every
-/// rank holds every layer's bases): each rank's estimate times its examples, summed over the
-/// ranks with the examples in one bucketed allreduce, then divided by their sum, which is the
-/// estimate over every rank's examples; a rank without rows sends zeros. A non-finite estimate
-/// leaves the scaling as it was and is counted as a skipped factor update. The rows are released.
+/// kept, in the bases in force.
+/// - One rank, and DP-KFAC: the rank that holds a layer's data estimates it from its own rows
+///   (under DP-KFAC the owner's own batch, from which its factors come too). No collective.
+/// - KAISA: each rank projects its own rows into the layer's bases; each rank's estimate times
+///   its examples is summed over the ranks with the examples in one bucketed allreduce, then
+///   divided by their sum, which is the estimate over every rank's examples; a rank without rows
+///   sends zeros. Under COMM_OPT every rank holds every layer's bases. Under HYBRID_OPT and
+///   MEM_OPT only a layer's column does: its A and G workers first broadcast the bases to every
+///   rank (which holds layers' data being agreed by an allreduce_max), the other ranks keep them
+///   only for the estimate, and only the column keeps the scaling: the ranks outside it hold
+///   nothing more between steps than the strategy gives them.
+/// A non-finite estimate leaves the scaling as it was and is counted as a skipped factor update.
+/// The rows are released.
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::update_scaling(const step_plan& plan, step_outcome& outcome) {
     if constexpr (method_estimating_scaling<method>) {
+        using layer_data = typename method::layer_data;
         auto update = [&](layer_record& l, bool finite) {
             if (finite)
                 method::update_scaling(l.state.second, l.scratch.method_ws, plan.factor_decay,
@@ -185,43 +194,73 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_scaling(const step_plan&
             else
                 outcome.add(l, non_finite_source::factor_statistics, plan.step, &health_counters::skipped_factor_updates);
         };
-        auto estimate = [&](layer_record& l) {
+        auto estimate = [&](layer_record& l, const layer_data& bases) {
             bool finite = false;
             in_layer(l, [&] {
-                const auto& w = l.scratch.method_ws;
-                const double scale = options_.statistics == statistic_scale::per_example
-                                         ? detail::per_example_scaling_scale(l.host.description, w.activations)
-                                         : 1.0;
-                finite = method::estimate_scaling(l.state.second, l.host.description.group_block(), scale,
-                                                  pass_loss_scale_, l.scratch.method_ws);
+                finite = method::estimate_scaling(bases, l.host.description.group_block(),
+                                                  options_.statistics == statistic_scale::per_example,
+                                                  l.scratch.method_ws);
             });
             return finite;
         };
-        if (comm_.size() == 1) {
+        if (comm_.size() == 1 || !plan_.kaisa()) {
             for (auto& l : layers_) {
                 auto& w = l.scratch.method_ws;
-                if (method::has_kept_rows(w) && l.state.has_second) update(l, estimate(l));
+                if (method::has_kept_rows(w) && l.state.has_second) update(l, estimate(l, l.state.second));
                 method::release_rows(w);
             }
             return;
         }
-        finish_second_order_broadcasts();  // the bases every rank projects its rows into
+        finish_second_order_broadcasts();  // the bases every rank of a column projects its rows into
+        // Which layers' columns hold data (every rank's own state under COMM_OPT), and the bases
+        // lent to the ranks outside a column.
+        std::vector<std::int64_t> held(layers_.size());
+        for (std::size_t i = 0; i < layers_.size(); ++i) held[i] = layers_[i].state.has_second ? 1 : 0;
+        std::vector<layer_data> lent;
+        const bool lend_bases = plan_.columns > 1;
+        if (lend_bases) {
+            comm::announce_phase(comm_, "the EKFAC bases' broadcasts");
+            comm_.allreduce_max(held);
+            lent.resize(layers_.size());
+            for (std::size_t i = 0; i < layers_.size(); ++i) {
+                if (held[i] == 0) continue;
+                auto& l = layers_[i];
+                const auto& d = l.host.description.group_block();
+                const auto& placement = plan_.layers[i];
+                // A rank of the column receives into its own bases, equal bit for bit to the root's.
+                auto& bases = l.state.has_second ? l.state.second : lent[i];
+                if (!l.state.has_second) {
+                    bases.a.q.resize(d.a_dim(), d.a_dim());
+                    bases.g.q.resize(d.g_dim(), d.g_dim());
+                }
+                const int me = comm_.rank();
+                const auto share = [&](matrix& q, int root) {
+                    const auto n = static_cast<std::size_t>(q.size());
+                    comm_.broadcast(staging_.stage(q.data(), n, broadcast_transfer(me == root)), n, root, comm_.world());
+                };
+                share(bases.a.q, placement.a_worker);
+                share(bases.g.q, placement.g_worker);
+            }
+            comm_.wait();
+            staging_.complete();
+        }
         std::vector<std::size_t> estimated;
         std::vector<scalar_type> examples;
         std::vector<allreduce_item<scalar_type>> items;
         for (std::size_t i = 0; i < layers_.size(); ++i) {
             auto& l = layers_[i];
-            if (!l.state.has_second) continue;  // on no rank (every rank holds every layer's data)
+            if (held[i] == 0) continue;  // on no rank
             auto& w = l.scratch.method_ws;
             scalar_type n = 0;
             if (method::has_kept_rows(w)) {
-                estimate(l);  // a non-finite sum is found after the allreduce, by every rank
-                n = static_cast<scalar_type>(examples_in(l.host.description, w.activations));
+                estimate(l, l.state.has_second ? l.state.second : lent[i]);  // a non-finite sum is found after the allreduce
+                n = static_cast<scalar_type>(method::kept_examples(l.host.description.group_block(), w));
                 w.estimate *= n;
             } else {
                 const auto& d = l.host.description;
                 w.estimate = Backend::zeros(d.a_dim(), d.g_dim());
             }
+            if (lend_bases && !l.state.has_second) lent[i] = layer_data{};  // the estimate no longer needs them
             estimated.push_back(i);
             examples.push_back(n);
             items.push_back({w.estimate.data(), static_cast<std::size_t>(w.estimate.size()), false, 0});
@@ -236,7 +275,9 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_scaling(const step_plan&
         for (std::size_t k = 0; k < estimated.size(); ++k) {
             auto& l = layers_[estimated[k]];
             auto& w = l.scratch.method_ws;
-            if (examples[k] > scalar_type(0)) {
+            if (!l.state.has_second) {
+                w.estimate = matrix{};  // the column keeps the scaling
+            } else if (examples[k] > scalar_type(0)) {
                 w.estimate /= examples[k];
                 update(l, w.estimate.allFinite());
             }

@@ -45,8 +45,8 @@ engine<Backend, CommPolicy, ComputeMethod>::engine(options opts, CommPolicy comm
     staging_.follow(detail::reads_device_memory(comm_));
 }
 
-/// What compute::ekfac supports so far (kfac/compute/ekfac.hpp): one rank or KAISA's COMM_OPT, one pass per step,
-/// the reference damping, new eigenvectors at every inverse update.
+/// What compute::ekfac supports so far (kfac/compute/ekfac.hpp): the reference damping, new
+/// eigenvectors at every inverse update.
 template <class Backend, class CommPolicy, class ComputeMethod>
 void engine<Backend, CommPolicy, ComputeMethod>::check_method_supported() const {
     if constexpr (method_estimating_scaling<method>) {
@@ -54,15 +54,6 @@ void engine<Backend, CommPolicy, ComputeMethod>::check_method_supported() const 
             throw error("compute::ekfac does not support " + what +
                         " yet (kfac/compute/ekfac.hpp lists what it supports); use compute::eigendecomposition");
         };
-        if (comm_.size() > 1 && (options_.strategy != distribution::kaisa || options_.grad_worker_fraction != comm_opt))
-            refuse(std::string("several ranks under ") +
-                   (options_.strategy == distribution::kaisa
-                        ? "KAISA with grad_worker_fraction = " + number_text(options_.grad_worker_fraction)
-                        : std::string("DP-KFAC")) +
-                   " (every rank projects its own examples into every layer's bases, which only KAISA's COMM_OPT, "
-                   "grad_worker_fraction = 1, gives every rank)");
-        if (options_.accumulation_steps != 1)
-            refuse("options.accumulation_steps = " + std::to_string(options_.accumulation_steps));
         if (damping_reads_factors(options_)) refuse("relative or factored damping");
         if (options_.eigenbasis_reuse_tolerance != 0.0)
             refuse("options.eigenbasis_reuse_tolerance (its scaling is re-estimated in every new eigenbasis)");

@@ -27,9 +27,15 @@
 /// the sum, N·R·A_dim·G_dim in all and an A_dim × G_dim scratch. Treating every position as an
 /// example of its own ((Ã∘Ã)ᵀ(G̃∘G̃) over all rows) would cost one product but drop the
 /// cross-position terms of (Σ_r ã g̃)², which a shared weight's gradient has.
+///
+/// A layer applied several times in one pass (a shared weight: a siamese branch, an unrolled
+/// recurrence) has Γ_n = Σ_k Γ_{n,k}, the example's gradients of every application k summed
+/// before the square; the overload over applications forms each example's Σ_k Ã_{n,k}ᵀ G̃_{n,k}
+/// (each application's positions its own), N·Σ_k R_k·A_dim·G_dim multiply-adds.
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -50,6 +56,32 @@ struct ekfac_scaling_scratch {
     cpu_workspace<Scalar> rows;       ///< patches and reduced rows (cpu_statistics)
 };
 
+/// Throws unless `d` is a dense Kronecker pair of one group and the bases (and, when it is read,
+/// the sum) have its sizes.
+template <class Scalar>
+void check_ekfac_operands(const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& s_t, const layer_description& d,
+                          const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& q_a,
+                          const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& q_g, Scalar beta) {
+    using index = std::int64_t;
+    const bool dense_pair = d.kind == layer_kind::linear || (is_convolution(d.kind) && d.conv.groups == 1);
+    if (!dense_pair)
+        throw error(std::string("EKFAC's scaling is defined for a dense Kronecker pair (Linear, or one group of a "
+                                "convolution); layer kind '") +
+                    kind_name(d.kind) + "'" +
+                    (is_convolution(d.kind) ? " with " + std::to_string(d.conv.groups) +
+                                                  " groups has one per group: pass each group's block "
+                                                  "(layer_description::group_block()) and its channels"
+                                            : " has none: use another compute method for it"));
+    const index a_dim = d.a_dim(), g_dim = d.g_dim();
+    if (q_a.rows() != a_dim || q_a.cols() != a_dim || q_g.rows() != g_dim || q_g.cols() != g_dim ||
+        (beta != Scalar(0) && (s_t.rows() != a_dim || s_t.cols() != g_dim)))
+        throw error("EKFAC's scaling of a layer with A_dim " + std::to_string(a_dim) + " and G_dim " +
+                    std::to_string(g_dim) + " got Q_A " + std::to_string(q_a.rows()) + "x" + std::to_string(q_a.cols()) +
+                    ", Q_G " + std::to_string(q_g.rows()) + "x" + std::to_string(q_g.cols()) + " and a sum " +
+                    std::to_string(s_t.rows()) + "x" + std::to_string(s_t.cols()) +
+                    ": pass the layer's current eigenbases and an A_dim x G_dim sum");
+}
+
 /// s_t ← beta·s_t + Ŝᵀ (the file's definition) from one application's activations `a` and output
 /// gradients `g`, as the statistics read them (a convolution's [N, C, H, W] and [N, O, H', W'],
 /// a Conv1d's with a unit height), and the current eigenbases q_a (A_dim × A_dim) and q_g
@@ -68,23 +100,8 @@ void accumulate_ekfac_scaling(Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynam
     using rows_map = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
     using statistics = cpu_statistics<Scalar>;
 
-    const bool dense_pair = d.kind == layer_kind::linear || (is_convolution(d.kind) && d.conv.groups == 1);
-    if (!dense_pair)
-        throw error(std::string("EKFAC's scaling is defined for a dense Kronecker pair (Linear, or one group of a "
-                                "convolution); layer kind '") +
-                    kind_name(d.kind) + "'" +
-                    (is_convolution(d.kind) ? " with " + std::to_string(d.conv.groups) +
-                                                  " groups has one per group: pass each group's block "
-                                                  "(layer_description::group_block()) and its channels"
-                                            : " has none: use another compute method for it"));
+    check_ekfac_operands(s_t, d, q_a, q_g, beta);
     const index cols = d.weight_columns(), a_dim = d.a_dim(), g_dim = d.g_dim();
-    if (q_a.rows() != a_dim || q_a.cols() != a_dim || q_g.rows() != g_dim || q_g.cols() != g_dim ||
-        (beta != Scalar(0) && (s_t.rows() != a_dim || s_t.cols() != g_dim)))
-        throw error("EKFAC's scaling of a layer with A_dim " + std::to_string(a_dim) + " and G_dim " +
-                    std::to_string(g_dim) + " got Q_A " + std::to_string(q_a.rows()) + "x" + std::to_string(q_a.cols()) +
-                    ", Q_G " + std::to_string(q_g.rows()) + "x" + std::to_string(q_g.cols()) + " and a sum " +
-                    std::to_string(s_t.rows()) + "x" + std::to_string(s_t.cols()) +
-                    ": pass the layer's current eigenbases and an A_dim x G_dim sum");
     if (beta == Scalar(0)) s_t = matrix::Zero(a_dim, g_dim);
     else s_t *= beta;
 
@@ -148,6 +165,88 @@ void accumulate_ekfac_scaling(Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynam
         if (d.bias) ws.projected_a.colwise() += q_a.row(cols).transpose();
         ws.projected_g.noalias() = q_g.transpose() * y;  // G_dim × R
         ws.example.noalias() = ws.projected_a * ws.projected_g.transpose();
+        s_t.noalias() += inv_n * ws.example.array().square().matrix();
+    }
+}
+
+/// s_t ← beta·s_t + Ŝᵀ from several applications of one layer in one pass (`a[k]`, `g[k]` as the
+/// one-application overload takes them, every application over the same N examples): each
+/// example's gradient sums its gradients of every application before the square. One
+/// application is the overload above, to the bit.
+/// @throws kfac::error as the overload above, for no application, or for applications over
+///         different numbers of examples.
+template <class Scalar>
+void accumulate_ekfac_scaling(Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& s_t, const layer_description& d,
+                              const std::vector<tensor_view<const Scalar>>& a,
+                              const std::vector<tensor_view<const Scalar>>& g,
+                              const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& q_a,
+                              const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& q_g, Scalar beta,
+                              ekfac_scaling_scratch<Scalar>& ws) {
+    using index = std::int64_t;
+    using matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+    using rows_map = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+    using statistics = cpu_statistics<Scalar>;
+    if (a.empty() || a.size() != g.size())
+        throw error("EKFAC's scaling of several applications got " + std::to_string(a.size()) + " activations and " +
+                    std::to_string(g.size()) + " output gradients: pass one of each per application, at least one");
+    if (a.size() == 1) return accumulate_ekfac_scaling(s_t, d, a[0], g[0], q_a, q_g, beta, ws);
+    check_ekfac_operands(s_t, d, q_a, q_g, beta);
+    const index cols = d.weight_columns(), a_dim = d.a_dim(), g_dim = d.g_dim();
+    const index n = kfac::detail::examples_in(d, a[0]);
+    for (std::size_t k = 1; k < a.size(); ++k)
+        if (kfac::detail::examples_in(d, a[k]) != n)
+            throw error("EKFAC's scaling: application " + std::to_string(k) + " holds " +
+                        std::to_string(kfac::detail::examples_in(d, a[k])) + " examples, application 0 " +
+                        std::to_string(n) + "; an example's gradient sums its applications, which need the same examples");
+    if (beta == Scalar(0)) s_t = matrix::Zero(a_dim, g_dim);
+    else s_t *= beta;
+    if (n == 0) return;
+    const Scalar inv_n = Scalar(1) / static_cast<Scalar>(n);
+    const auto weights_a = q_a.topRows(cols);
+
+    // Per application, what example e's contribution reads: reduced rows (weight sharing reduce,
+    // one row per example), or the layer's rows of every position.
+    std::vector<matrix> reduced_x(a.size()), reduced_y(a.size());
+    if (d.sharing == weight_sharing::reduce)
+        for (std::size_t k = 0; k < a.size(); ++k) {
+            statistics::reduce_inputs(d, a[k], conv_patch_mode::dilated, ws.rows);
+            reduced_x[k] = rows_map(ws.rows.reduced.data(), n, cols);
+            statistics::reduce_gradients(d, g[k], ws.rows);
+            reduced_y[k] = rows_map(ws.rows.reduced.data(), n, d.out);
+        }
+    // ws.example += Ã_{e,k}ᵀ G̃_{e,k} for x_rows (R × cols) and y_rows (R × O) of example e.
+    auto add_rows = [&](const auto& x_rows, const auto& y_rows) {
+        ws.projected_a.noalias() = x_rows * weights_a;
+        if (d.bias) ws.projected_a.rowwise() += q_a.row(cols);
+        ws.projected_g.noalias() = y_rows * q_g;
+        ws.example.noalias() += ws.projected_a.transpose() * ws.projected_g;
+    };
+    for (index e = 0; e < n; ++e) {
+        ws.example = matrix::Zero(a_dim, g_dim);
+        for (std::size_t k = 0; k < a.size(); ++k) {
+            if (d.sharing == weight_sharing::reduce) {
+                add_rows(reduced_x[k].middleRows(e, 1), reduced_y[k].middleRows(e, 1));
+            } else if (d.kind == layer_kind::linear) {
+                const index positions = a[k].size() / cols / n;
+                add_rows(rows_map(a[k].data + e * positions * cols, positions, cols),
+                         rows_map(g[k].data + e * positions * d.out, positions, d.out));
+            } else {  // a convolution: the example's patches (R × cols) and output gradients (O × R)
+                const index channels = a[k].extent(1), height = a[k].extent(2), width = a[k].extent(3);
+                const patch_grid grid = make_patch_grid(d.conv, height, width, conv_patch_mode::dilated);
+                const index positions = grid.positions();
+                if (positions != g[k].extent(2) * g[k].extent(3))
+                    throw error("EKFAC's scaling: application " + std::to_string(k) + "'s " + std::to_string(positions) +
+                                " patch positions differ from its output gradients' " +
+                                std::to_string(g[k].extent(2) * g[k].extent(3)) +
+                                ": pass the activations and output gradients of each application");
+                ws.rows.patches.resize(static_cast<std::size_t>(cols * positions));
+                extract_patches_transposed(a[k].data, channels, height, width, d.conv, grid, e * grid.rows, grid.rows,
+                                           ws.rows.patches.data(), positions);
+                const rows_map patches(ws.rows.patches.data(), cols, positions);
+                const rows_map y(g[k].data + e * d.out * positions, d.out, positions);
+                add_rows(patches.transpose(), y.transpose());
+            }
+        }
         s_t.noalias() += inv_n * ws.example.array().square().matrix();
     }
 }
