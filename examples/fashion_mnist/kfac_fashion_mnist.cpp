@@ -758,11 +758,14 @@ void print_curvature(int epoch, const std::string& optimizer, const std::vector<
     std::printf("          curvature share:");
     for (const auto& c : report) {
         if (!c.held) continue;
-        std::printf("  %s %.3g (identity %.2g)", c.name.c_str(), c.curvature_share, c.identity_weight);
+        // EKFAC divides by its scaling S + γ: its share is S / (S + γ)'s (K-FAC's, of the same
+        // factors, stays in the CSV's curvature_share).
+        const double share = std::isnan(c.scaling_share) ? c.curvature_share : c.scaling_share;
+        std::printf("  %s %.3g (identity %.2g)", c.name.c_str(), share, c.identity_weight);
         char row[400];
-        std::snprintf(row, sizeof row, "%d,%s,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g\n", epoch, c.name.c_str(),
-                      c.identity_weight, c.a.mean, c.g.mean, c.mean_product, c.damping, c.damping_a, c.damping_g,
-                      c.damping_product, c.curvature_share);
+        std::snprintf(row, sizeof row, "%d,%s,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g\n", epoch,
+                      c.name.c_str(), c.identity_weight, c.a.mean, c.g.mean, c.mean_product, c.damping, c.damping_a,
+                      c.damping_g, c.damping_product, c.curvature_share, c.scaling_share);
         rows.push_back(optimizer + "," + row);
     }
     std::printf("\n");
@@ -934,7 +937,7 @@ int main_body(int argc, char** argv, transport how) {
     if (!curvature_rows.empty()) {
         std::ofstream out(s.curvature_csv);
         out << "optimizer,model,seed,epoch,layer,identity_weight,mean_eigenvalue_a,mean_eigenvalue_g,mean_product,"
-               "damping,damping_a,damping_g,damping_product,curvature_share\n";
+               "damping,damping_a,damping_g,damping_product,curvature_share,scaling_share\n";
         for (const auto& row : curvature_rows) {  // "optimizer,epoch,..." → "optimizer,model,seed,epoch,..."
             const auto comma = row.find(',');
             out << row.substr(0, comma) << ',' << s.model << ',' << s.seed << row.substr(comma);

@@ -11,7 +11,9 @@
 /// method, {π√γ, √γ/π, 0} for factored damping. The curvature share is the mean over the
 /// directions of λ_A,i λ_G,j / d_ij: 1 when the factors dominate the damping everywhere (the
 /// preconditioner is the inverse curvature), 0 when the damping does (the preconditioner is
-/// the identity over the damping: K-FAC steps as SGD with a rescaled learning rate).
+/// the identity over the damping: K-FAC steps as SGD with a rescaled learning rate). Under
+/// compute::ekfac, which divides by its scaling S + γ instead, scaling_share is the same mean
+/// over S's entries.
 
 #include <algorithm>
 #include <cmath>
@@ -58,6 +60,15 @@ struct layer_curvature {
     ///@}
     /// Mean over the eigendirections of λ_A λ_G / ((λ_A + t_A)(λ_G + t_G) + t_P), in [0, 1].
     double curvature_share = std::numeric_limits<double>::quiet_NaN();
+    /// Under compute::ekfac, the scaling S the gradient is divided by (as S + γ, in the
+    /// eigenbasis): its A_dim·G_dim entries summarised, where this rank keeps it (the ranks that
+    /// hold the layer's second-order data) once an inverse update has made it; dim 0 otherwise
+    /// and under the other methods.
+    factor_spectrum scaling;
+    /// Under compute::ekfac, the mean over S's entries of S / (S + γ), in [0, 1]: the curvature
+    /// share of the preconditioner EKFAC applies (curvature_share above is K-FAC's, from the
+    /// same factors' eigenvalues). NaN where `scaling` is empty.
+    double scaling_share = std::numeric_limits<double>::quiet_NaN();
 };
 
 namespace detail {
@@ -96,6 +107,17 @@ inline double curvature_share(const std::vector<double>& lambda_a, const std::ve
             sum += d > 0.0 ? ca * cg / d : 0.0;
         }
     return sum / (static_cast<double>(lambda_a.size()) * static_cast<double>(lambda_g.size()));
+}
+
+/// EKFAC's curvature share: the mean over the scaling's entries (clamped at 0) of S / (S + γ).
+inline double scaling_share(const std::vector<double>& scaling, double gamma) {
+    if (scaling.empty()) return std::numeric_limits<double>::quiet_NaN();
+    double sum = 0.0;
+    for (double v : scaling) {
+        const double c = std::max(v, 0.0), d = c + gamma;
+        sum += d > 0.0 ? c / d : 0.0;
+    }
+    return sum / static_cast<double>(scaling.size());
 }
 
 }  // namespace detail

@@ -197,6 +197,36 @@ TEST_CASE("ekfac: a layer applied twice in a pass sums each example's two gradie
     CHECK(ekfac_saved(saved, "shared.scaling", d.a_dim(), d.g_dim()) == expected);
 }
 
+TEST_CASE("ekfac: the curvature report summarises S and its share S / (S + γ)", "[ekfac][curvature]") {
+    auto layer = random_linear<double>(12, 5, 4, true, 31), other = layer;
+    other.bind();
+    const auto& d = layer.view.description;
+    kfac::options o;
+    o.damping = 0.01;
+    ekfac_precond p(o);
+    p.register_layer("fc", layer.view);
+    CHECK(p.curvature().front().scaling.dim == 0);  // no S before an inverse update makes it
+    CHECK(std::isnan(p.curvature().front().scaling_share));
+    p.step();
+    const mat<double> s = ekfac_saved(kfac::checkpoint::parse(p.save_bytes(), "step 0"), "fc.scaling", d.a_dim(), d.g_dim());
+    const kfac::layer_curvature c = p.curvature().front();
+    CHECK(c.scaling.dim == d.a_dim() * d.g_dim());
+    CHECK(c.scaling.min == s.minCoeff());
+    CHECK(c.scaling.max == s.maxCoeff());
+    // Means of 20 positive terms summed in another order than Eigen's: ≤ 20u apart.
+    CHECK(c.scaling.mean == Approx(s.mean()).epsilon(20 * eps<double>()));
+    const double share = (s.array() / (s.array() + 0.01)).mean();
+    CHECK(c.scaling_share == Approx(share).epsilon(40 * eps<double>()));
+    CHECK(c.scaling_share > 0.0);
+    CHECK(c.scaling_share < 1.0);
+    kfac::KFAC<kfac::backend::cpu_eigen<double>> eigen(o);  // K-FAC's methods have no S
+    eigen.register_layer("fc", other.view);
+    eigen.step();
+    CHECK(eigen.curvature().front().scaling.dim == 0);
+    CHECK(std::isnan(eigen.curvature().front().scaling_share));
+    CHECK(eigen.curvature().front().curvature_share == Approx(c.curvature_share).epsilon(1e-12));  // the same factors
+}
+
 TEST_CASE("ekfac: with S = λ_A λ_Gᵀ it is the eigen method bit for bit, and not with its own S", "[ekfac]") {
     // factor_update_steps 2 and inv_update_steps 3: step 3 computes new bases without a factor
     // update, so EKFAC's S is K-FAC's λ_A λ_Gᵀ there; at step 0 it is the estimate.

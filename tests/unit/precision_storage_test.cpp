@@ -59,13 +59,14 @@ struct storage_model {
 
 TEST_CASE("factors stored in bf16 or fp16 are the float update rounded once", "[precision][storage]") {
     // Inputs scaled by 300 put A's entries near 10⁵, beyond fp16's 65504: fp16 storage must
-    // scale them into range, not overflow.
-    for (const precision f : {precision::bf16, precision::fp16}) {
-        INFO(kfac::precision_name(f));
-        kfac::options o;
+    // scale them into range, not overflow. Under EKFAC too (its layers: those with a dense
+    // Kronecker pair), whose checkpoint carries its scaling S beside the stored factors.
+    auto check_storage = [](auto method, const kfac::options& base, precision f) {
+        using P = kfac::KFAC<kfac::backend::cpu_eigen<float>, kfac::comm::serial, decltype(method)>;
+        kfac::options o = base;
         o.factor_storage = f;
         storage_model packed(300.0), plain(300.0);
-        float_precond p(o), q;
+        P p(o), q(base);
         packed.register_with(p);
         plain.register_with(q);
         // p's factors are q's, rounded to the storage format.
@@ -91,6 +92,13 @@ TEST_CASE("factors stored in bf16 or fp16 are the float update rounded once", "[
         p.step();
         q.step();
         check_stored();
+    };
+    kfac::options ekfac_layers;
+    ekfac_layers.skip_layers = {"^(embedding|ln.*|bn.*)$"};  // no dense Kronecker pair: EKFAC refuses them
+    for (const precision f : {precision::bf16, precision::fp16}) {
+        INFO(kfac::precision_name(f));
+        check_storage(kfac::compute::eigendecomposition{}, kfac::options{}, f);
+        check_storage(kfac::compute::ekfac{}, ekfac_layers, f);
     }
 }
 
