@@ -330,6 +330,9 @@ TEMPLATE_TEST_CASE("EKFAC scaling of a convolution equals its per-example gradie
         {2, 3, 7, 6, 2, {{2, 3}, {2, 1}, {0, 1}, {1, 1}, 1}, false, false},
         {2, 2, 8, 8, 3, {{3, 3}, {1, 1}, {2, 2}, {2, 2}, 1}, true, false},  // dilated: the true gradient's taps
         {3, 2, 1, 9, 2, {{1, 3}, {1, 2}, {0, 1}, {1, 1}, 1}, true, true},   // Conv1d, viewed with a unit height
+        // One output position against A_dim 55: the rows projected into the bases first (the
+        // cases above form each example's gradient first: example_gradient_first()).
+        {2, 6, 3, 3, 3, {{3, 3}, {1, 1}, {0, 0}, {1, 1}, 1}, true, false},
     };
     for (std::size_t idx = 0; idx < cases.size(); ++idx) {
         const auto& cc = cases[idx];
