@@ -401,25 +401,35 @@ TEMPLATE_TEST_CASE("EKFAC scaling of a layer applied several times sums each exa
                                                         kfac::tensor_view<const T>(g1.data(), {n, r1, d.out}), q_a, q_g, T(0), ws);
         CHECK_FALSE(ekfac_within_bound(mat<T>(apart0 + apart1), ekfac_reference_of(both, q_a, q_g, r0 + r1)));
     }
-    {
-        INFO("Conv2d, two applications on 6x6 and 5x7 inputs");
-        const kfac::conv2d_geometry geometry{{3, 3}, {1, 1}, {1, 1}, {1, 1}, 1};
-        const auto d = kfac::conv2d_description(2, 3, geometry, true);
-        const std::int64_t h0 = 6, w0 = 6, h1 = 5, w1 = 7;  // padding 1, 3x3: outputs of the inputs' sizes
+    struct conv_case {
+        const char* what;
+        std::int64_t c_in, padding, h0, w0, h1, w1;
+    };
+    // Padding 1 keeps a 3 × 3 convolution's outputs at its inputs' size: 36 + 35 positions form
+    // each example's gradient first; without padding 3 × 3 inputs give one position each, against
+    // A_dim 55: the rows are projected first (example_gradient_first()).
+    for (const conv_case& cc : {conv_case{"6x6 and 5x7 inputs, padding 1", 2, 1, 6, 6, 5, 7},
+                                conv_case{"two 3x3 inputs of 6 channels, no padding", 6, 0, 3, 3, 3, 3}}) {
+        INFO("Conv2d, two applications: " << cc.what);
+        const kfac::conv2d_geometry geometry{{3, 3}, {1, 1}, {cc.padding, cc.padding}, {1, 1}, 1};
+        const auto d = kfac::conv2d_description(cc.c_in, 3, geometry, true);
+        const std::int64_t h0 = cc.h0, w0 = cc.w0, h1 = cc.h1, w1 = cc.w1;
+        auto out = [&](std::int64_t extent) { return kfac::conv_output_extent(extent, 3, 1, cc.padding, 1); };
         const auto x0 = random_vector<T>(static_cast<std::size_t>(n * d.in * h0 * w0), 411);
-        const auto g0 = random_vector<T>(static_cast<std::size_t>(n * d.out * h0 * w0), 412, 0.1);
+        const auto g0 = random_vector<T>(static_cast<std::size_t>(n * d.out * out(h0) * out(w0)), 412, 0.1);
         const auto x1 = random_vector<T>(static_cast<std::size_t>(n * d.in * h1 * w1), 413);
-        const auto g1 = random_vector<T>(static_cast<std::size_t>(n * d.out * h1 * w1), 414, 0.1);
+        const auto g1 = random_vector<T>(static_cast<std::size_t>(n * d.out * out(h1) * out(w1)), 414, 0.1);
         const mat<T> q_a = ekfac_random_basis<T>(d.a_dim(), 415), q_g = ekfac_random_basis<T>(d.g_dim(), 416);
         mat<T> s;
         kfac::backend::detail::ekfac_scaling_scratch<T> ws;
         kfac::backend::detail::accumulate_ekfac_scaling(
             s, d,
             views{kfac::tensor_view<const T>(x0.data(), {n, d.in, h0, w0}), kfac::tensor_view<const T>(x1.data(), {n, d.in, h1, w1})},
-            views{kfac::tensor_view<const T>(g0.data(), {n, d.out, h0, w0}), kfac::tensor_view<const T>(g1.data(), {n, d.out, h1, w1})},
+            views{kfac::tensor_view<const T>(g0.data(), {n, d.out, out(h0), out(w0)}),
+                  kfac::tensor_view<const T>(g1.data(), {n, d.out, out(h1), out(w1)})},
             q_a, q_g, T(0), ws);
         const auto both = sum_examples(ekfac_conv_gradients(d, x0, g0, n, h0, w0), ekfac_conv_gradients(d, x1, g1, n, h1, w1));
-        CHECK(ekfac_within_bound(s, ekfac_reference_of(both, q_a, q_g, h0 * w0 + h1 * w1)));
+        CHECK(ekfac_within_bound(s, ekfac_reference_of(both, q_a, q_g, out(h0) * out(w0) + out(h1) * out(w1))));
     }
     {
         INFO("one application is the one-application kernel, to the bit; different examples are refused");

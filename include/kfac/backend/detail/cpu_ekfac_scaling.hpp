@@ -326,34 +326,43 @@ void accumulate_ekfac_scaling(Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynam
         ws.projected_g.noalias() = y_rows * q_g;
         ws.example.noalias() += ws.projected_a.transpose() * ws.projected_g;
     };
-    // Every application's positions per example (a convolution's, its output positions): the
-    // cheaper order sums the applications' Γ_{n,k} and rotates the sum once.
+    // A convolution's patch grid per application (its output positions checked once against its
+    // output gradients'), and every application's positions per example.
+    const bool patches = is_convolution(d.kind) && d.sharing != weight_sharing::reduce;
+    std::vector<patch_grid> grids;
+    for (std::size_t k = 0; patches && k < a.size(); ++k) {
+        grids.push_back(make_patch_grid(d.conv, a[k].extent(2), a[k].extent(3), conv_patch_mode::dilated));
+        if (grids.back().positions() != g[k].extent(2) * g[k].extent(3))
+            throw error("EKFAC's scaling: application " + std::to_string(k) + "'s " +
+                        std::to_string(grids.back().positions()) + " patch positions differ from its output gradients' " +
+                        std::to_string(g[k].extent(2) * g[k].extent(3)) +
+                        ": pass the activations and output gradients of each application");
+    }
+    auto positions_of = [&](std::size_t k) -> index {
+        if (d.sharing == weight_sharing::reduce) return 1;
+        return patches ? grids[k].positions() : a[k].size() / cols / n;
+    };
+    // Example e's patches of application k into ws.rows.patches (row-major cols × R).
+    auto extract_example_patches = [&](std::size_t k, index e) {
+        const patch_grid& grid = grids[k];
+        ws.rows.patches.resize(static_cast<std::size_t>(cols * grid.positions()));
+        extract_patches_transposed(a[k].data, a[k].extent(1), a[k].extent(2), a[k].extent(3), d.conv, grid,
+                                   e * grid.rows, grid.rows, ws.rows.patches.data(), grid.positions());
+    };
+    // The cheaper order sums the applications' Γ_{n,k} and rotates the sum once.
     index positions = 0;
-    for (std::size_t k = 0; k < a.size(); ++k)
-        positions += d.sharing == weight_sharing::reduce ? 1
-                     : d.kind == layer_kind::linear    ? a[k].size() / cols / n
-                                                       : g[k].extent(2) * g[k].extent(3);
+    for (std::size_t k = 0; k < a.size(); ++k) positions += positions_of(k);
     if (example_gradient_first(positions, a_dim, g_dim)) {
         for (index e = 0; e < n; ++e) {
             for (std::size_t k = 0; k < a.size(); ++k) {
                 const Scalar beta_k = k == 0 ? Scalar(0) : Scalar(1);
+                const index r = positions_of(k);
                 if (d.sharing == weight_sharing::reduce) {
                     add_rows_gradient(ws, d, reduced_x[k].data() + e * cols, reduced_y[k].data() + e * d.out, 1, beta_k);
-                } else if (d.kind == layer_kind::linear) {
-                    const index r = a[k].size() / cols / n;
+                } else if (!patches) {
                     add_rows_gradient(ws, d, a[k].data + e * r * cols, g[k].data + e * r * d.out, r, beta_k);
                 } else {
-                    const index channels = a[k].extent(1), height = a[k].extent(2), width = a[k].extent(3);
-                    const patch_grid grid = make_patch_grid(d.conv, height, width, conv_patch_mode::dilated);
-                    const index r = grid.positions();
-                    if (r != g[k].extent(2) * g[k].extent(3))
-                        throw error("EKFAC's scaling: application " + std::to_string(k) + "'s " + std::to_string(r) +
-                                    " patch positions differ from its output gradients' " +
-                                    std::to_string(g[k].extent(2) * g[k].extent(3)) +
-                                    ": pass the activations and output gradients of each application");
-                    ws.rows.patches.resize(static_cast<std::size_t>(cols * r));
-                    extract_patches_transposed(a[k].data, channels, height, width, d.conv, grid, e * grid.rows,
-                                               grid.rows, ws.rows.patches.data(), r);
+                    extract_example_patches(k, e);
                     add_patches_gradient(ws, d, ws.rows.patches.data(), g[k].data + e * d.out * r, r, beta_k);
                 }
             }
@@ -364,27 +373,15 @@ void accumulate_ekfac_scaling(Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynam
     for (index e = 0; e < n; ++e) {
         ws.example = matrix::Zero(a_dim, g_dim);
         for (std::size_t k = 0; k < a.size(); ++k) {
+            const index r = positions_of(k);
             if (d.sharing == weight_sharing::reduce) {
                 add_rows(reduced_x[k].middleRows(e, 1), reduced_y[k].middleRows(e, 1));
-            } else if (d.kind == layer_kind::linear) {
-                const index positions = a[k].size() / cols / n;
-                add_rows(rows_map(a[k].data + e * positions * cols, positions, cols),
-                         rows_map(g[k].data + e * positions * d.out, positions, d.out));
+            } else if (!patches) {
+                add_rows(rows_map(a[k].data + e * r * cols, r, cols), rows_map(g[k].data + e * r * d.out, r, d.out));
             } else {  // a convolution: the example's patches (R × cols) and output gradients (O × R)
-                const index channels = a[k].extent(1), height = a[k].extent(2), width = a[k].extent(3);
-                const patch_grid grid = make_patch_grid(d.conv, height, width, conv_patch_mode::dilated);
-                const index positions = grid.positions();
-                if (positions != g[k].extent(2) * g[k].extent(3))
-                    throw error("EKFAC's scaling: application " + std::to_string(k) + "'s " + std::to_string(positions) +
-                                " patch positions differ from its output gradients' " +
-                                std::to_string(g[k].extent(2) * g[k].extent(3)) +
-                                ": pass the activations and output gradients of each application");
-                ws.rows.patches.resize(static_cast<std::size_t>(cols * positions));
-                extract_patches_transposed(a[k].data, channels, height, width, d.conv, grid, e * grid.rows, grid.rows,
-                                           ws.rows.patches.data(), positions);
-                const rows_map patches(ws.rows.patches.data(), cols, positions);
-                const rows_map y(g[k].data + e * d.out * positions, d.out, positions);
-                add_rows(patches.transpose(), y.transpose());
+                extract_example_patches(k, e);
+                add_rows(rows_map(ws.rows.patches.data(), cols, r).transpose(),
+                         rows_map(g[k].data + e * d.out * r, d.out, r).transpose());
             }
         }
         s_t.noalias() += inv_n * ws.example.array().square().matrix();
