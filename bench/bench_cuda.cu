@@ -13,7 +13,8 @@
 ///   layers' buffers in device memory (device views, as a GPU framework hands them over),
 ///   and what one step of each kind costs in host synchronisations and host↔device copies
 ///   (backend::cuda<T>::transfers()); the eigen method once more with small factors decomposed
-///   one by one ("batched": false; cuda<T>::batch_small_factors). --linear-only keeps the
+///   one by one ("batched": false; cuda<T>::batch_small_factors); EKFAC on the model's Linear
+///   and Conv2d layers (the kinds it preconditions). --linear-only keeps the
 ///   Linear and Conv2d layers, the ones kfac-pytorch preconditions (bench/side_by_side_gpu.py).
 /// Options as kfac-pytorch's defaults where the side-by-side compares them: damping 0.003,
 /// factor_decay 0.95, kl_clip 0.001, lr 0.1, compute_eigenvalue_outer_product.
@@ -165,7 +166,7 @@ void kfac_steps(const kfac_bench::model& m, const std::string& name, std::int64_
                     "\"layers\": %zu, \"batched\": %s, \"step\": \"%s\", \"ms\": %.3f, \"synchronizations\": %lld, "
                     "\"device_to_host\": %lld, \"host_to_device\": %lld, \"phases_ms\": {%s}}\n",
                     name.c_str(), sizeof(T) == 4 ? "float32" : "float64",
-                    std::is_same_v<Method, kfac::compute::eigendecomposition> ? "eigen" : "inverse",
+                    std::is_same_v<Method, kfac::compute::eigendecomposition> ? "eigen" : Method::name,
                     static_cast<long long>(batch), views.size(), batched ? "true" : "false", update ? "update" : "non_update", ms,
                     static_cast<long long>(cost.synchronizations), static_cast<long long>(cost.device_to_host),
                     static_cast<long long>(cost.host_to_device), phases.c_str());
@@ -193,6 +194,8 @@ int run(const std::vector<std::string>& models, std::int64_t batch, int iteratio
         // Small factors decomposed one by one: the other way of issue 28's measurement.
         kfac_steps<T, kfac::compute::eigendecomposition>(m, name, batch ? batch : m.batch, iterations, false);
         kfac_steps<T, kfac::compute::inverse>(m, name, batch ? batch : m.batch, iterations);
+        // EKFAC (its scaling re-estimated at every factor update) on the layers it preconditions.
+        kfac_steps<T, kfac::compute::ekfac>(linear_and_conv_only(m), name, batch ? batch : m.batch, iterations);
     }
     return 0;
 }

@@ -98,7 +98,8 @@ function(kfac_add_engines target backend comm)
         string(APPEND definitions "template ${instance};\n")
       endforeach()
     endif()
-    # compute::ekfac runs on the CPU backend only (kfac/compute/ekfac.hpp).
+    # compute::ekfac: the CPU engines; the CUDA test program instantiates its one use itself
+    # (here it would add a third method to every nvcc build of these engines).
     set(methods eigendecomposition inverse)
     if(backend STREQUAL "cpu_eigen")
       list(APPEND methods ekfac)

@@ -25,8 +25,8 @@
 /// Parts: the statistics of every layer kind (detail/cuda_statistics.cuh), the optional members
 /// of unit-wise blocks, diagonal factors, eigenbasis reuse and grouped convolutions
 /// (detail/cuda_layer_kinds.cuh), small factors decomposed together
-/// (detail/cuda_batched_eigen.cuh), over the device matrix and checked helpers of
-/// detail/cuda_storage.cuh; this file adds construction, transfers, decompositions,
+/// (detail/cuda_batched_eigen.cuh), compute::ekfac's scaling (detail/cuda_ekfac_scaling.cuh),
+/// over the device matrix and checked helpers of detail/cuda_storage.cuh; this file adds construction, transfers, decompositions,
 /// preconditioning and gradients.
 
 #include <algorithm>
@@ -41,7 +41,9 @@
 
 #include <Eigen/Core>
 
+#include "kfac/backend/ekfac_operations.hpp"
 #include "kfac/backend/detail/cuda_batched_eigen.cuh"
+#include "kfac/backend/detail/cuda_ekfac_scaling.cuh"
 #include "kfac/backend/detail/cuda_layer_kinds.cuh"
 #include "kfac/backend/detail/cuda_library_calls.cuh"
 #include "kfac/backend/detail/cuda_statistics.cuh"
@@ -476,5 +478,9 @@ struct cuda : cuda_detail::cuda_statistics<Scalar>, cuda_detail::cuda_layer_kind
 private:
     using calls = cuda_detail::device_calls<Scalar>;
 };
+
+/// compute::ekfac's operations on the CUDA backend (detail/cuda_ekfac_scaling.cuh).
+template <class Scalar>
+struct ekfac_operations<cuda<Scalar>> : cuda_detail::cuda_ekfac_operations<Scalar> {};
 
 }  // namespace kfac::backend

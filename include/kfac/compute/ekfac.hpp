@@ -27,7 +27,10 @@
 /// bit, the eigen method with compute_eigenvalue_outer_product = false.
 ///
 /// What it supports so far (each other case is refused by name when the preconditioner is
-/// built or a layer registered): the CPU backend; one process, or several under every KAISA
+/// built or a layer registered): the backends with ekfac_operations (kfac/backend/
+/// ekfac_operations.hpp: the CPU backend, and the CUDA backend, whose estimate runs by
+/// strided-batched GEMMs in chunks of examples, kfac/backend/detail/device_ekfac_scaling.cuh);
+/// one process, or several under every KAISA
 /// strategy and DP-KFAC (kfac/detail/engine_second_order.hpp, update_scaling(): under KAISA
 /// every rank projects its own examples into the layer's bases, which a layer's column
 /// broadcasts to the other ranks under HYBRID_OPT and MEM_OPT, and one allreduce per factor
@@ -41,6 +44,7 @@
 /// A and G are its factors; kfac/detail/statistic_scale.hpp), either averaging of the factors,
 /// and the reference damping.
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -50,6 +54,7 @@
 
 #include "kfac/backend/cpu_eigen.hpp"
 #include "kfac/backend/detail/cpu_ekfac_scaling.hpp"
+#include "kfac/backend/ekfac_operations.hpp"
 #include "kfac/checkpoint/second_order_checks.hpp"
 #include "kfac/compute/eigendecomposition.hpp"
 #include "kfac/detail/compute_impl.hpp"
@@ -72,21 +77,27 @@ struct ekfac {
 
 }  // namespace compute
 
+namespace backend {
+
+/// The CPU backend's EKFAC operations, for it and every backend derived from it (the replay's
+/// staged backend).
+template <class Backend>
+    requires std::derived_from<Backend, cpu_eigen<typename Backend::scalar_type>>
+struct ekfac_operations<Backend> : detail::cpu_ekfac_operations<typename Backend::scalar_type> {};
+
+}  // namespace backend
+
 namespace detail {
 
-/// The primary template: EKFAC on a backend that has no scaling statistic yet.
+/// EKFAC on a backend with ekfac_operations (kfac/backend/ekfac_operations.hpp): the CPU
+/// backend and the CUDA backend.
 template <class Backend>
-struct compute_impl<compute::ekfac, Backend> {
-    static_assert(dependent_false<Backend>,
-                  "kfac: compute::ekfac runs on the CPU backend (backend::cpu_eigen) so far; use "
-                  "compute::eigendecomposition on this backend");
-};
-
-template <class Scalar>
-struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
-    : compute_impl<compute::eigendecomposition, backend::cpu_eigen<Scalar>> {
-    using Backend = backend::cpu_eigen<Scalar>;
+struct compute_impl<compute::ekfac, Backend> : compute_impl<compute::eigendecomposition, Backend> {
+    static_assert(backend::ekfac_operations<Backend>::supported,
+                  "kfac: compute::ekfac needs the backend's EKFAC operations (kfac/backend/ekfac_operations.hpp): "
+                  "backend::cpu_eigen and backend::cuda have them; use compute::eigendecomposition on this backend");
     using eigen = compute_impl<compute::eigendecomposition, Backend>;
+    using ops = backend::ekfac_operations<Backend>;
     using tag = compute::ekfac;
     using typename eigen::factor_data;
     using typename eigen::matrix;
@@ -107,7 +118,7 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
     /// capture and kept to the step's estimate (after its inverse update): one pair per
     /// application of the layer in the pass, and the loss scale the pass was taken under.
     struct kept_pass {
-        std::vector<std::vector<scalar>> activation_copies, gradient_copies;
+        std::vector<typename ops::rows_copy> activation_copies, gradient_copies;
         std::vector<tensor_view<const scalar>> activations, output_gradients;  ///< views of the copies
         double loss_scale = 1.0;
     };
@@ -115,7 +126,7 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
     struct workspace {
         matrix t1, t2;
         std::vector<kept_pass> kept;  ///< this step's passes (several with accumulate())
-        backend::detail::ekfac_scaling_scratch<scalar> scaling_ws;
+        typename ops::scratch scaling_ws;
         matrix estimate;       ///< Ŝᵀ of the step
         matrix pass_estimate;  ///< one pass's, when the step has several
     };
@@ -124,7 +135,7 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
     static void finalize_eigen_product(layer_data& l, double, const options&) {
         l.has_product = false;
         l.inverse_eigen_product.resize(0, 0);
-        l.scaling = l.a.lambda * l.g.lambda.transpose();
+        ops::outer_product(l.a.lambda, l.g.lambda, l.scaling);
     }
     /// Whether the data's D = 1/(λ_A λ_Gᵀ + γ) is precomputed: never.
     static bool keeps_product(const options&) { return false; }
@@ -133,7 +144,7 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
 
     /// V'ᵀ ← Vᵀ ⊘ (Sᵀ + γ).
     static void divide_by_damped_eigenvalues(const layer_data& l, double damping, matrix& v_t) {
-        v_t.array() /= (l.scaling.array() + static_cast<scalar>(damping));
+        ops::divide_by_damped(v_t, l.scaling, static_cast<scalar>(damping));
     }
 
     /// The eigen method's payloads, and S (K-FAC's λ_A λ_Gᵀ at an inverse update, which a
@@ -188,15 +199,11 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
         if (first_pass) w.kept.clear();
         kept_pass& pass = w.kept.emplace_back();
         pass.loss_scale = loss_scale;
+        pass.activation_copies.resize(a.size());
+        pass.gradient_copies.resize(g.size());
         for (std::size_t k = 0; k < a.size(); ++k) {
-            pass.activation_copies.emplace_back(a[k].data, a[k].data + a[k].size());
-            pass.gradient_copies.emplace_back(g[k].data, g[k].data + g[k].size());
-        }
-        for (std::size_t k = 0; k < a.size(); ++k) {  // views once the copies stopped moving
-            pass.activations.push_back(a[k]);
-            pass.activations.back().data = pass.activation_copies[k].data();
-            pass.output_gradients.push_back(g[k]);
-            pass.output_gradients.back().data = pass.gradient_copies[k].data();
+            pass.activations.push_back(ops::keep(a[k], pass.activation_copies[k]));
+            pass.output_gradients.push_back(ops::keep(g[k], pass.gradient_copies[k]));
         }
     }
     [[nodiscard]] static bool has_kept_rows(const workspace& w) { return !w.kept.empty(); }
@@ -205,7 +212,7 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
     static void keep_only(workspace& w, std::size_t passes) {
         if (w.kept.size() > passes) w.kept.resize(passes);
     }
-    static void release_rows(workspace& w) { w.kept = {}; }
+    static void release_rows(workspace& w) { w.kept = std::vector<kept_pass>{}; }  // memory freed too
     /// The examples of the step's kept passes (each pass's examples are its own).
     [[nodiscard]] static std::int64_t kept_examples(const layer_description& d, const workspace& w) {
         std::int64_t n = 0;
@@ -225,24 +232,30 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
         };
         if (w.kept.size() == 1) {
             const kept_pass& pass = w.kept.front();
-            backend::detail::accumulate_ekfac_scaling(w.estimate, d, pass.activations, pass.output_gradients, l.a.q,
-                                                      l.g.q, scalar(0), w.scaling_ws);
+            ops::accumulate(w.estimate, d, pass.activations, pass.output_gradients, l.a.q, l.g.q, scalar(0), w.scaling_ws);
             const double factor = factor_of(pass);
-            if (factor != 1.0) w.estimate *= static_cast<scalar>(factor);
-            return w.estimate.allFinite();
+            if (factor != 1.0) ops::scale(w.estimate, static_cast<scalar>(factor));
+            return Backend::all_finite(w.estimate);
         }
-        w.estimate = matrix::Zero(d.a_dim(), d.g_dim());
+        w.estimate = Backend::zeros(d.a_dim(), d.g_dim());
         double examples = 0.0;
         for (const kept_pass& pass : w.kept) {
-            backend::detail::accumulate_ekfac_scaling(w.pass_estimate, d, pass.activations, pass.output_gradients,
-                                                      l.a.q, l.g.q, scalar(0), w.scaling_ws);
+            ops::accumulate(w.pass_estimate, d, pass.activations, pass.output_gradients, l.a.q, l.g.q, scalar(0),
+                            w.scaling_ws);
             const auto n = static_cast<double>(examples_in(d, pass.activations.front()));
-            w.estimate += static_cast<scalar>(n * factor_of(pass)) * w.pass_estimate;
+            ops::add_scaled(w.estimate, static_cast<scalar>(n * factor_of(pass)), w.pass_estimate);
             examples += n;
         }
         w.pass_estimate = matrix{};
-        if (examples > 0.0) w.estimate /= static_cast<scalar>(examples);
-        return w.estimate.allFinite();
+        if (examples > 0.0) ops::divide(w.estimate, static_cast<scalar>(examples));
+        return Backend::all_finite(w.estimate);
+    }
+    /// The estimate times `examples` (its weight in a sum over the ranks).
+    static void weight_estimate(workspace& w, scalar examples) { ops::scale(w.estimate, examples); }
+    /// The sum over the ranks divided by their `examples`; false: it is not finite.
+    static bool unweight_estimate(workspace& w, scalar examples) {
+        ops::divide(w.estimate, examples);
+        return Backend::all_finite(w.estimate);
     }
     /// S ← Ŝ (`restart`: the bases are new) or S ← ξS + (1 − ξ)Ŝ.
     static void update_scaling(layer_data& l, const workspace& w, double decay, bool restart) {
@@ -250,8 +263,7 @@ struct compute_impl<compute::ekfac, backend::cpu_eigen<Scalar>>
             l.scaling = w.estimate;
             return;
         }
-        const auto xi = static_cast<scalar>(decay);
-        l.scaling = xi * l.scaling + (scalar(1) - xi) * w.estimate;
+        ops::blend(l.scaling, w.estimate, static_cast<scalar>(decay));
     }
 };
 

@@ -40,8 +40,8 @@ std::vector<layer_curvature> engine<Backend, CommPolicy, ComputeMethod>::curvatu
             c.curvature_share = detail::curvature_share(lambda_a, lambda_g, t.a, t.g, t.product);
         }
         if constexpr (method_estimating_scaling<method>) {
-            if (l.state.has_second) {  // the scaling, where this rank keeps it (compute::ekfac: the CPU's)
-                const auto& s = l.state.second.scaling;
+            if (l.state.has_second) {  // the scaling, where this rank keeps it
+                const auto& s = Backend::to_host(l.state.second.scaling);
                 const std::vector<double> entries(s.data(), s.data() + s.size());
                 c.scaling = summarise(entries);
                 c.scaling_share = detail::scaling_share(entries, gamma);

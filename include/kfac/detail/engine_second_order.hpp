@@ -255,7 +255,7 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_scaling(const step_plan&
             if (method::has_kept_rows(w)) {
                 estimate(l, l.state.has_second ? l.state.second : lent[i]);  // a non-finite sum is found after the allreduce
                 n = static_cast<scalar_type>(method::kept_examples(l.host.description.group_block(), w));
-                w.estimate *= n;
+                method::weight_estimate(w, n);
             } else {
                 const auto& d = l.host.description;
                 w.estimate = Backend::zeros(d.a_dim(), d.g_dim());
@@ -263,7 +263,8 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_scaling(const step_plan&
             if (lend_bases && !l.state.has_second) lent[i] = layer_data{};  // the estimate no longer needs them
             estimated.push_back(i);
             examples.push_back(n);
-            items.push_back({w.estimate.data(), static_cast<std::size_t>(w.estimate.size()), false, 0});
+            const auto count = static_cast<std::size_t>(w.estimate.size());
+            items.push_back({staging_.stage(w.estimate.data(), count, transfer::send_and_receive), count, false, 0});
         }
         if (estimated.empty()) {  // no layer holds data yet, on any rank: no collective
             for (auto& l : layers_) method::release_rows(l.scratch.method_ws);
@@ -272,14 +273,14 @@ void engine<Backend, CommPolicy, ComputeMethod>::update_scaling(const step_plan&
         items.push_back({examples.data(), examples.size(), false, 0});
         comm::announce_phase(comm_, "the EKFAC scaling's allreduce");
         comm_.allreduce_sum(items, factor_bucket_cap_bytes(), false, comm_.world());
+        staging_.complete();  // a device backend's sums back in its memory
         for (std::size_t k = 0; k < estimated.size(); ++k) {
             auto& l = layers_[estimated[k]];
             auto& w = l.scratch.method_ws;
             if (!l.state.has_second) {
                 w.estimate = matrix{};  // the column keeps the scaling
             } else if (examples[k] > scalar_type(0)) {
-                w.estimate /= examples[k];
-                update(l, w.estimate.allFinite());
+                update(l, method::unweight_estimate(w, examples[k]));
             }
         }
         for (auto& l : layers_) method::release_rows(l.scratch.method_ws);

@@ -45,6 +45,7 @@
 #include "kfac/backend/blas_kernels.hpp"
 #include "kfac/backend/detail/blas_lapack.hpp"
 #include "kfac/backend/detail/cpu_statistics.hpp"
+#include "kfac/backend/detail/ekfac_scaling_shapes.hpp"
 #include "kfac/config.hpp"
 #include "kfac/layers/im2col.hpp"
 #include "kfac/layers/layer_description.hpp"
@@ -61,16 +62,6 @@ struct ekfac_scaling_scratch {
     matrix gradient_t, rotated;       ///< Γ̃_nᵀ of one example (A_dim × G_dim), and Q_Aᵀ Γ̃_nᵀ
     cpu_workspace<Scalar> rows;       ///< patches and reduced rows (cpu_statistics)
 };
-
-/// Whether forming each example's gradient first and rotating it into the bases (R·A_dim·G_dim
-/// multiply-adds, then A_dim²·G_dim + A_dim·G_dim²) costs less than projecting its R rows into
-/// both bases first (R·(A_dim² + G_dim²), then R·A_dim·G_dim): for R above
-/// A_dim·G_dim·(A_dim + G_dim) / (A_dim² + G_dim²). A 3 × 3 Conv2d(64 → 64) on 16 × 16 outputs
-/// (A_dim 577, G_dim 64, R 256) takes a third of the other order's; on 7 × 7 (R 49), 1.4× more.
-inline bool example_gradient_first(std::int64_t positions, std::int64_t a_dim, std::int64_t g_dim) {
-    const auto r = static_cast<double>(positions), a = static_cast<double>(a_dim), g = static_cast<double>(g_dim);
-    return r * (a * a + g * g) > a * g * (a + g);
-}
 
 /// C (m × n, column-major, leading dimension ldc) ← op(A)·op(B) + beta·C for column-major A and
 /// B (leading dimensions lda, ldb); beta = 0 does not read C. The BLAS's gemm where the build
@@ -147,29 +138,12 @@ void add_rotated_example(Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& 
 }
 
 /// Throws unless `d` is a dense Kronecker pair of one group and the bases (and, when it is read,
-/// the sum) have its sizes.
+/// the sum) have its sizes (ekfac_scaling_shapes.hpp).
 template <class Scalar>
 void check_ekfac_operands(const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& s_t, const layer_description& d,
                           const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& q_a,
                           const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>& q_g, Scalar beta) {
-    using index = std::int64_t;
-    const bool dense_pair = d.kind == layer_kind::linear || (is_convolution(d.kind) && d.conv.groups == 1);
-    if (!dense_pair)
-        throw error(std::string("EKFAC's scaling is defined for a dense Kronecker pair (Linear, or one group of a "
-                                "convolution); layer kind '") +
-                    kind_name(d.kind) + "'" +
-                    (is_convolution(d.kind) ? " with " + std::to_string(d.conv.groups) +
-                                                  " groups has one per group: pass each group's block "
-                                                  "(layer_description::group_block()) and its channels"
-                                            : " has none: use another compute method for it"));
-    const index a_dim = d.a_dim(), g_dim = d.g_dim();
-    if (q_a.rows() != a_dim || q_a.cols() != a_dim || q_g.rows() != g_dim || q_g.cols() != g_dim ||
-        (beta != Scalar(0) && (s_t.rows() != a_dim || s_t.cols() != g_dim)))
-        throw error("EKFAC's scaling of a layer with A_dim " + std::to_string(a_dim) + " and G_dim " +
-                    std::to_string(g_dim) + " got Q_A " + std::to_string(q_a.rows()) + "x" + std::to_string(q_a.cols()) +
-                    ", Q_G " + std::to_string(q_g.rows()) + "x" + std::to_string(q_g.cols()) + " and a sum " +
-                    std::to_string(s_t.rows()) + "x" + std::to_string(s_t.cols()) +
-                    ": pass the layer's current eigenbases and an A_dim x G_dim sum");
+    check_ekfac_operands(d, q_a.rows(), q_a.cols(), q_g.rows(), q_g.cols(), s_t.rows(), s_t.cols(), beta != Scalar(0));
 }
 
 /// s_t ← beta·s_t + Ŝᵀ (the file's definition) from one application's activations `a` and output
@@ -387,5 +361,39 @@ void accumulate_ekfac_scaling(Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynam
         s_t.noalias() += inv_n * ws.example.array().square().matrix();
     }
 }
+
+}  // namespace kfac::backend::detail
+
+namespace kfac::backend::detail {
+
+/// compute::ekfac's operations on the CPU backend (kfac/backend/ekfac_operations.hpp).
+template <class Scalar>
+struct cpu_ekfac_operations {
+    static constexpr bool supported = true;
+    using matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+    using vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+    using rows_copy = std::vector<Scalar>;
+    using scratch = ekfac_scaling_scratch<Scalar>;
+
+    static tensor_view<const Scalar> keep(const tensor_view<const Scalar>& v, rows_copy& into) {
+        into.assign(v.data, v.data + v.size());
+        tensor_view<const Scalar> kept = v;
+        kept.data = into.data();
+        return kept;
+    }
+    static void accumulate(matrix& s_t, const layer_description& d, const std::vector<tensor_view<const Scalar>>& a,
+                           const std::vector<tensor_view<const Scalar>>& g, const matrix& q_a, const matrix& q_g,
+                           Scalar beta, scratch& ws) {
+        accumulate_ekfac_scaling(s_t, d, a, g, q_a, q_g, beta, ws);
+    }
+    static void outer_product(const vector& a, const vector& g, matrix& out) { out = a * g.transpose(); }
+    static void divide_by_damped(matrix& v_t, const matrix& s_t, Scalar damping) {
+        v_t.array() /= (s_t.array() + damping);
+    }
+    static void scale(matrix& m, Scalar s) { m *= s; }
+    static void divide(matrix& m, Scalar s) { m /= s; }
+    static void add_scaled(matrix& sum, Scalar s, const matrix& m) { sum += s * m; }
+    static void blend(matrix& s_t, const matrix& e, Scalar xi) { s_t = xi * s_t + (Scalar(1) - xi) * e; }
+};
 
 }  // namespace kfac::backend::detail

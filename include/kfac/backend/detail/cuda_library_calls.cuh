@@ -34,6 +34,17 @@ void gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, T
     KFAC_CUDA_TYPED_CALL(T, cublasSgemm, cublasDgemm, h, op_a, op_b, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc);
 }
 
+/// `batch` products C_b = alpha·op(A_b)·op(B_b) + beta·C_b, A_b at a + b·stride_a (likewise B, C;
+/// a stride of 0 reuses one matrix).
+template <class T>
+void gemm_strided_batched(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, T alpha, const T* a,
+                          int lda, long long stride_a, const T* b, int ldb, long long stride_b, T beta, T* c, int ldc,
+                          long long stride_c, int batch) {
+    cublasHandle_t h = library_handles::of_this_thread().blas();
+    KFAC_CUDA_TYPED_CALL(T, cublasSgemmStridedBatched, cublasDgemmStridedBatched, h, op_a, op_b, m, n, k, &alpha, a, lda,
+                         stride_a, b, ldb, stride_b, &beta, c, ldc, stride_c, batch);
+}
+
 /// 1: factor statistics through GEMM, which computes both triangles (twice SYRK's flops) but
 /// runs cuBLAS's tuned split-k kernels. Measured on an H100 (bench_cuda, 2026-11-23): the
 /// factor-update step of ResNet-32 at batch 128 took 334 ms with cublasSsyrk and 40 ms with
