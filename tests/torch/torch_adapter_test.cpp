@@ -569,24 +569,25 @@ TEST_CASE("frozen layers are left out, and a frozen layer is not tracked", "[tor
 TEST_CASE("register_modules registers all layers or none, and reports what it leaves out", "[torch][registration]") {
     // Before: a failure half-way left the tracker half-filled, and a retry with skip_layers
     // failed with "already tracked"; a grouped convolution failed the registration (it is
-    // now registered, one block per group), and so did a BatchNorm (now registered too).
+    // now registered, one block per group), and so did a BatchNorm (now registered too). A
+    // PReLU has parameters and no K-FAC block: it is reported.
     torch::manual_seed(23);
     struct model_impl : nn::Module {
         nn::Conv2d stem{nullptr}, grouped{nullptr}, same{nullptr};
         nn::BatchNorm2d bn{nullptr};
-        nn::GroupNorm gn{nullptr};
+        nn::PReLU act{nullptr};
         nn::Linear head{nullptr};
         model_impl() {
             stem = register_module("stem", nn::Conv2d(nn::Conv2dOptions(1, 4, 3).padding(1)));
             bn = register_module("bn", nn::BatchNorm2d(4));
-            gn = register_module("gn", nn::GroupNorm(2, 4));
+            act = register_module("act", nn::PReLU());
             grouped = register_module("grouped", nn::Conv2d(nn::Conv2dOptions(4, 4, 3).padding(1).groups(2)));
             same = register_module("same", nn::Conv2d(nn::Conv2dOptions(4, 4, 2).padding(torch::kSame)));
             head = register_module("head", nn::Linear(4, 2));
         }
         torch::Tensor forward(torch::Tensor x) {
             x = torch::relu(bn(stem(x)));
-            x = torch::relu(gn(grouped(x)));
+            x = act(grouped(x));
             return head(x.mean({2, 3}));
         }
     };
@@ -606,11 +607,11 @@ TEST_CASE("register_modules registers all layers or none, and reports what it le
     CHECK(tracker.size() == 4);
     CHECK(precond.is_registered("grouped/group1"));
     REQUIRE(report.not_preconditioned.size() == 2);
-    CHECK(report.not_preconditioned[0].name == "gn");
-    CHECK(report.not_preconditioned[0].module == "torch::nn::GroupNorm");
+    CHECK(report.not_preconditioned[0].name == "act");
+    CHECK(report.not_preconditioned[0].module == "torch::nn::PReLU");
     CHECK(report.not_preconditioned[1].name == "same");
     CHECK_THAT(report.summary(), Catch::Contains("K-FAC preconditions 4 layers;") &&
-                                     Catch::Contains("torch::nn::GroupNorm (no K-FAC block for this module type): gn;") &&
+                                     Catch::Contains("torch::nn::PReLU (no K-FAC block for this module type): act;") &&
                                      Catch::Contains("(matched by options.skip_layers): same"));
     model->forward(torch::randn({3, 1, 6, 6})).square().sum().backward();
     CHECK_NOTHROW(precond.step());
@@ -1187,6 +1188,25 @@ TEST_CASE("a norm layer's blocks are the mean outer product of its per-example g
                      [&](const torch::Tensor& x) { return fc(torch::tanh(bn(x)).mean({2, 3})); },
                      torch::randn({n, 4, 3, 3}, torch::kDouble));
     }
+    SECTION("GroupNorm, two groups of two channels") {
+        auto gn = nn::GroupNorm(nn::GroupNormOptions(2, 4));
+        auto fc = nn::Linear(4, 3);
+        gn->to(torch::kDouble);
+        fc->to(torch::kDouble);
+        perturb_affine(gn->weight, gn->bias);
+        check_blocks(gn.ptr(), gn->weight, gn->bias,
+                     [&](const torch::Tensor& x) { return fc(torch::tanh(gn(x)).mean({2, 3})); },
+                     torch::randn({n, 4, 3, 3}, torch::kDouble));
+    }
+    SECTION("InstanceNorm1d, affine") {
+        auto in = nn::InstanceNorm1d(nn::InstanceNorm1dOptions(4).affine(true));
+        auto fc = nn::Linear(4, 3);
+        in->to(torch::kDouble);
+        fc->to(torch::kDouble);
+        perturb_affine(in->weight, in->bias);
+        check_blocks(in.ptr(), in->weight, in->bias, [&](const torch::Tensor& x) { return fc(torch::tanh(in(x)).mean(2)); },
+                     torch::randn({n, 4, 6}, torch::kDouble));
+    }
 }
 
 TEST_CASE("the registration reports of the flagship's models and of a transformer-like stack are as recorded",
@@ -1226,13 +1246,26 @@ TEST_CASE("track() takes a holder of every module type in the adapter's table, a
     const auto& d3 = tracker.track("bn3", bn3).description();
     CHECK((d1.kind == kfac::layer_kind::batch_norm && d2.kind == d1.kind && d3.kind == d1.kind));
     CHECK((d1.out == 5 && d2.out == 6 && d3.out == 7));
-    CHECK(tracker.size() == 8);
     nn::GroupNorm group_norm(2, 4);
-    CHECK_THROWS_WITH(tracker.track("gn", group_norm.ptr()),
-                      Catch::Contains("module 'gn'") && Catch::Contains("is none of torch::nn::Linear, Conv2d, Conv1d, "
-                                                                        "Embedding, LayerNorm, BatchNorm1d, BatchNorm2d, "
-                                                                        "BatchNorm3d"));
-    CHECK(tracker.size() == 8);
+    nn::InstanceNorm1d in1(nn::InstanceNorm1dOptions(3).affine(true));
+    nn::InstanceNorm2d in2(nn::InstanceNorm2dOptions(4).affine(true));
+    nn::InstanceNorm3d in3(nn::InstanceNorm3dOptions(5).affine(true));
+    const auto& gn = tracker.track("group_norm", group_norm).description();
+    CHECK((gn.kind == kfac::layer_kind::group_norm && gn.out == 4 && gn.bias));
+    CHECK(gn.sharing == kfac::weight_sharing::reduce);
+    const auto& i1 = tracker.track("in1", in1).description();
+    const auto& i2 = tracker.track("in2", in2).description();
+    const auto& i3 = tracker.track("in3", in3).description();
+    CHECK((i1.kind == kfac::layer_kind::instance_norm && i2.kind == i1.kind && i3.kind == i1.kind));
+    CHECK((i1.out == 3 && i2.out == 4 && i3.out == 5));
+    CHECK(tracker.size() == 12);
+    nn::LSTM lstm(nn::LSTMOptions(3, 4));
+    CHECK_THROWS_WITH(tracker.track("lstm", lstm.ptr()),
+                      Catch::Contains("module 'lstm'") &&
+                          Catch::Contains("is none of torch::nn::Linear, Conv2d, Conv1d, Embedding, LayerNorm, "
+                                          "BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d, "
+                                          "InstanceNorm2d, InstanceNorm3d"));
+    CHECK(tracker.size() == 12);
 }
 
 // ---- mixed precision (docs/precision.md) -------------------------------------------------

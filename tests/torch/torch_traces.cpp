@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kfac_torch_traces: step traces of the LibTorch adapter on the flagship's ResNet-8 (Conv2d
 // strided and 1×1, BatchNorm2d, Linear) and on a small transformer-like stack (Embedding,
-// LayerNorm, Linear expand/reduce, Conv1d), in double, one line per step: a digest of every
+// LayerNorm, Linear expand/reduce, Conv1d, BatchNorm1d, GroupNorm), in double, one line per step: a digest of every
 // parameter's preconditioned .grad(), of save_bytes(), of layers(), and the health counters,
 // eigenbasis counts, memory_usage() and the kl_clip scale; first the registration reports.
 // LibTorch's own kernels (convolutions, matrix products) round differently on other CPUs, so

@@ -2,9 +2,9 @@
 #pragma once
 // The models of the LibTorch adapter's fixtures: the flagship's (examples/fashion_mnist) and a
 // small transformer-like stack with one module of every type the adapter takes (Embedding,
-// LayerNorm, Linear expanding and reducing, Conv1d, BatchNorm1d) and some that register_modules
-// leaves out, each for another reason (a sparse Embedding, a frozen Linear, a GroupNorm, which
-// has no K-FAC block, and a LayerNorm matched by a skip pattern); and their registration
+// LayerNorm, Linear expanding and reducing, Conv1d, BatchNorm1d, GroupNorm) and some that
+// register_modules leaves out, each for another reason (a sparse Embedding, a frozen Linear, a
+// PReLU, which has no K-FAC block, and a LayerNorm matched by a skip pattern); and their registration
 // reports, which tests/data/traces/torch_registration.txt holds
 // (kfac_torch_traces --registration writes them).
 
@@ -30,6 +30,7 @@ struct transformer_stack_impl : torch::nn::Module {
     torch::nn::Conv1d mix{nullptr};
     torch::nn::BatchNorm1d bn{nullptr};
     torch::nn::GroupNorm group_norm{nullptr};
+    torch::nn::PReLU act{nullptr};
 
     transformer_stack_impl() {
         tokens = register_module("tokens", torch::nn::Embedding(vocabulary, width));
@@ -40,6 +41,7 @@ struct transformer_stack_impl : torch::nn::Module {
         mix = register_module("mix", torch::nn::Conv1d(torch::nn::Conv1dOptions(width, width, 3).padding(1)));
         bn = register_module("bn", torch::nn::BatchNorm1d(width));
         group_norm = register_module("group_norm", torch::nn::GroupNorm(2, width));
+        act = register_module("act", torch::nn::PReLU());
         frozen = register_module("frozen", torch::nn::Linear(width, width));
         frozen->weight.set_requires_grad(false);
         frozen->bias.set_requires_grad(false);
@@ -50,7 +52,7 @@ struct transformer_stack_impl : torch::nn::Module {
         auto h = norm(tokens(ids));                                  // (N, L, W)
         h = h + reduce(torch::gelu(expand(h)));                      // expand/reduce MLP
         auto c = bn(mix(h.transpose(1, 2)));                         // (N, W, L)
-        c = group_norm(c);
+        c = act(group_norm(c));
         return frozen(c.transpose(1, 2));
     }
 };

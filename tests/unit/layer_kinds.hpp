@@ -16,7 +16,8 @@ namespace kfac_test {
 
 /// One layer of every kind and weight sharing beyond `expand` Linear/Conv2d, with and without
 /// bias or shift, named: a Linear layer and a Conv2d under `reduce`, a Conv1d, a grouped and a
-/// depthwise convolution, an Embedding, LayerNorms and BatchNorms under both weight sharings;
+/// depthwise convolution, an Embedding, LayerNorms and BatchNorms under both weight sharings, a
+/// GroupNorm and an InstanceNorm;
 /// each bound to its own buffers.
 template <class T>
 std::vector<std::pair<std::string, owned_layer<T>>> every_kind() {
@@ -58,6 +59,8 @@ std::vector<std::pair<std::string, owned_layer<T>>> every_kind() {
                                                                      kfac::weight_sharing::expand),
                                                   {4, 3, 2, 2}, 35));
     layers.emplace_back("bn_noshift", random_norm<T>(kfac::batch_norm_description(2, false), {5, 2, 3}, 37));
+    layers.emplace_back("gn", random_norm<T>(kfac::group_norm_description(4, true), {3, 4, 2, 2}, 39));
+    layers.emplace_back("in_noshift", random_norm<T>(kfac::instance_norm_description(3, false), {4, 3, 5}, 41));
     for (auto& entry : layers) entry.second.bind();  // views on the vector's own buffers (a copy must bind again)
     return layers;
 }

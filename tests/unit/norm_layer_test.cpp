@@ -18,17 +18,26 @@
 
 using namespace kfac_test;
 
+// Which kinds hold their features last: the one property every layout decision reads.
+static_assert(kfac::features_last(kfac::layer_kind::linear) && kfac::features_last(kfac::layer_kind::layer_norm));
+static_assert(!kfac::features_last(kfac::layer_kind::batch_norm) && !kfac::features_last(kfac::layer_kind::group_norm) &&
+              !kfac::features_last(kfac::layer_kind::instance_norm) && !kfac::features_last(kfac::layer_kind::conv2d));
+static_assert(kfac::default_sharing(kfac::layer_kind::group_norm) == kfac::weight_sharing::reduce &&
+              kfac::default_sharing(kfac::layer_kind::instance_norm) == kfac::weight_sharing::reduce &&
+              kfac::default_sharing(kfac::layer_kind::layer_norm) == kfac::weight_sharing::expand);
+
 namespace {
 
 
 /// The definition: F_c = (1/R) Σ_rows t tᵀ, t = (Σ x̂ dy, Σ dy) over the row's positions; a
 /// row is one example (weight sharing reduce) or one (example, position) pair (expand). The
-/// layout: LayerNorm [N, positions..., C] (a rank-1 view one example), BatchNorm [N, C,
-/// spatial...]. Returns the k × k blocks, k = 2 with a shift, 1 without.
+/// layout: LayerNorm [N, positions..., C] (a rank-1 view one example), BatchNorm, GroupNorm
+/// and InstanceNorm [N, C, spatial...]. Returns the k × k blocks, k = 2 with a shift, 1 without.
 template <class T>
 std::vector<Eigen::MatrixXd> definition_blocks(const kfac::layer_description& d, const std::vector<std::int64_t>& shape,
                                                const std::vector<T>& x, const std::vector<T>& dy) {
-    const bool layer_norm = d.kind == kfac::layer_kind::layer_norm;
+    // The layouts as the kinds define them, stated here apart from the library's features_last().
+    const bool layer_norm = d.kind == kfac::layer_kind::layer_norm;  // [rows..., C], else [N, C, spatial...]
     const std::int64_t c_count = d.out, n_count = layer_norm && shape.size() == 1 ? 1 : shape[0];
     const auto total = static_cast<std::int64_t>(x.size());
     const std::int64_t p_count = total / (n_count * c_count);
@@ -88,6 +97,9 @@ std::vector<norm_case> norm_cases() {
         {"BatchNorm2d", kfac::batch_norm_description(5, true), {3, 5, 2, 3}},
         {"BatchNorm1d, expand", kfac::with_sharing(kfac::batch_norm_description(5, true), weight_sharing::expand), {2, 5, 4}},
         {"BatchNorm2d without shift", kfac::batch_norm_description(3, false), {4, 3, 3, 3}},
+        {"GroupNorm", kfac::group_norm_description(4, true), {3, 4, 2, 3}},
+        {"InstanceNorm1d without shift", kfac::instance_norm_description(3, false), {2, 3, 5}},
+        {"InstanceNorm2d, expand", kfac::with_sharing(kfac::instance_norm_description(2, true), weight_sharing::expand), {2, 2, 3, 2}},
         // 3 channels with shift: the blocks' storage is a square 3 × 3, which must not be read
         // as a symmetric matrix's triangle (it was mirrored, channel 1's F_γγ over channel 0's F_γβ).
         {"BatchNorm2d of 3 channels", kfac::batch_norm_description(3, true), {4, 3, 2, 2}},

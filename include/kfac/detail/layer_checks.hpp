@@ -241,18 +241,19 @@ void check_embedding_views(const named_layer& who, const layer_description& d, c
 }
 
 /// A normalisation layer's views: the normalised input x̂ and the output gradient, of one
-/// shape, LayerNorm's [rows..., C] (C last) or BatchNorm's [N, C, spatial...] (C second).
+/// shape, LayerNorm's [rows..., C] (C last) or the other kinds' [N, C, spatial...] (C second:
+/// features_last()).
 template <class T>
 void check_norm_views(const named_layer& who, const layer_description& d, const tensor_view<const T>& a,
                       const tensor_view<const T>& g) {
-    const bool features_last = d.kind == layer_kind::layer_norm;
-    const int channel_axis = features_last ? a.rank - 1 : 1;
-    const bool shaped = a.rank >= (features_last ? 1 : 2) && a.extent(channel_axis) == d.out && a.size() > 0;
+    const bool channels_last = features_last(d.kind);
+    const int channel_axis = channels_last ? a.rank - 1 : 1;
+    const bool shaped = a.rank >= (channels_last ? 1 : 2) && a.extent(channel_axis) == d.out && a.size() > 0;
     if (!shaped) {
         // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on "[" + std::to_string(...).
-        std::string expected(features_last ? "[rows..., " : "[N, ");
+        std::string expected(channels_last ? "[rows..., " : "[N, ");
         expected += std::to_string(d.out);
-        expected += features_last ? "] (features last)" : ", spatial...] (channels second)";
+        expected += channels_last ? "] (features last)" : ", spatial...] (channels second)";
         throw layer_error(who, "the normalised input has shape " + a.shape_string() + "; expected " + expected +
                                    ", not empty. Pass x̂, the input the " + kind_name(d.kind) +
                                    " normalised, flattened to " + std::to_string(d.out) +

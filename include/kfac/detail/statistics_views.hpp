@@ -36,8 +36,7 @@ template <class T>
 /// features is one example.
 template <class T>
 [[nodiscard]] std::int64_t examples_in(const layer_description& d, const tensor_view<T>& v) {
-    const bool features_last = d.kind == layer_kind::linear || d.kind == layer_kind::layer_norm;
-    return features_last && v.rank < 2 ? 1 : v.extent(0);
+    return features_last(d.kind) && v.rank < 2 ? 1 : v.extent(0);
 }
 
 /// How a normalisation layer's views (x̂ and dy, of one shape) hold its C channels: element
@@ -57,7 +56,7 @@ template <class T>
 [[nodiscard]] norm_layout norm_layout_of(const layer_description& d, const tensor_view<T>& v) {
     norm_layout l;
     l.channels = d.out;
-    l.channels_last = d.kind == layer_kind::layer_norm;
+    l.channels_last = features_last(d.kind);
     l.sum_positions = d.sharing == weight_sharing::reduce;
     l.examples = examples_in(d, v);
     l.positions = l.examples * l.channels == 0 ? 0 : v.size() / (l.examples * l.channels);

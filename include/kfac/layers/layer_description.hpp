@@ -15,11 +15,14 @@ namespace kfac {
 /// builds it), and its views [N, C, L] are read as [N, C, 1, L].
 /// Embedding is the Linear layer of a one-hot input: `in` = num_embeddings V, `out` =
 /// embedding_dim E, its activations the token ids, its weight [V, E] (embedding_description()).
-/// LayerNorm and BatchNorm are their affine part y = scale ⊙ x̂ + shift over C features
-/// (`in` = `out` = C, `bias` = the shift): the activations are the normalised input x̂,
-/// LayerNorm's [rows..., C] (features last), BatchNorm's [N, C, spatial...] (channels second);
-/// their weight (scale) and bias (shift) gradients are [C] (layer_norm_description(),
-/// batch_norm_description()).
+/// LayerNorm, BatchNorm, GroupNorm and InstanceNorm are their affine part y = scale ⊙ x̂ + shift
+/// over C features (`in` = `out` = C, `bias` = the shift): the activations are the normalised
+/// input x̂, LayerNorm's [rows..., C] (features last), the others' [N, C, spatial...] (channels
+/// second: features_last()); their weight (scale) and bias (shift) gradients are [C]
+/// (layer_norm_description(), batch_norm_description(), group_norm_description(),
+/// instance_norm_description()). The four differ only in the statistics x̂ was normalised
+/// with (the batch's, a group of channels', an example's channel's), which the adapter that
+/// forms x̂ applies; to the curvature each is one scale and shift per channel.
 enum class layer_kind {
     linear,      ///< y = x Wᵀ + b (torch.nn.Linear)
     conv2d,      ///< 2-D convolution, grouped and depthwise too (torch.nn.Conv2d)
@@ -27,6 +30,8 @@ enum class layer_kind {
     embedding,   ///< a lookup table of rows (torch.nn.Embedding): a diagonal A
     layer_norm,  ///< LayerNorm's scale and shift, features last: unit-wise blocks
     batch_norm,  ///< BatchNorm's scale and shift, channels second: unit-wise blocks
+    group_norm,  ///< GroupNorm's scale and shift, channels second: unit-wise blocks
+    instance_norm,  ///< InstanceNorm's scale and shift (affine), channels second: unit-wise blocks
 };
 
 /// The kind's name as messages and checkpoints write it: "linear", "conv2d", ... (the enumerator).
@@ -38,12 +43,15 @@ enum class layer_kind {
         case layer_kind::embedding: return "embedding";
         case layer_kind::layer_norm: return "layer_norm";
         case layer_kind::batch_norm: return "batch_norm";
+        case layer_kind::group_norm: return "group_norm";
+        case layer_kind::instance_norm: return "instance_norm";
     }
     return "unknown";
 }
 
 /// The name PyTorch gives the module of a kind ("Linear", "Conv2d", "Conv1d", ...), which
-/// options.skip_layers patterns may match as well; one name, "BatchNorm", for BatchNorm1d/2d/3d.
+/// options.skip_layers patterns may match as well; one name, "BatchNorm", for BatchNorm1d/2d/3d
+/// (and "InstanceNorm" for InstanceNorm1d/2d/3d).
 [[nodiscard]] inline const char* pytorch_module_name(layer_kind k) noexcept {
     switch (k) {
         case layer_kind::linear: return "Linear";
@@ -52,6 +60,8 @@ enum class layer_kind {
         case layer_kind::embedding: return "Embedding";
         case layer_kind::layer_norm: return "LayerNorm";
         case layer_kind::batch_norm: return "BatchNorm";
+        case layer_kind::group_norm: return "GroupNorm";
+        case layer_kind::instance_norm: return "InstanceNorm";
     }
     return "unknown";
 }
@@ -61,9 +71,29 @@ enum class layer_kind {
     return k == layer_kind::conv2d || k == layer_kind::conv1d;
 }
 
-/// The scale-and-shift of a normalisation layer (LayerNorm, BatchNorm).
+/// The scale-and-shift of a normalisation layer (LayerNorm, BatchNorm, GroupNorm, InstanceNorm).
 [[nodiscard]] constexpr bool is_normalization(layer_kind k) noexcept {
-    return k == layer_kind::layer_norm || k == layer_kind::batch_norm;
+    return k == layer_kind::layer_norm || k == layer_kind::batch_norm || k == layer_kind::group_norm ||
+           k == layer_kind::instance_norm;
+}
+
+/// Whether the kind's views hold its features in their last dimension, [rows..., features]
+/// (Linear, LayerNorm: dimension 0 the example), rather than its channels second,
+/// [N, C, spatial...] (convolutions, BatchNorm, GroupNorm, InstanceNorm); an Embedding's token
+/// ids have no feature dimension (false). The one place this is decided: a new kind answers
+/// here, and the views' checks, examples and layouts follow.
+[[nodiscard]] constexpr bool features_last(layer_kind k) noexcept {
+    switch (k) {
+        case layer_kind::linear:
+        case layer_kind::layer_norm: return true;
+        case layer_kind::conv2d:
+        case layer_kind::conv1d:
+        case layer_kind::embedding:
+        case layer_kind::batch_norm:
+        case layer_kind::group_norm:
+        case layer_kind::instance_norm: return false;
+    }
+    return false;
 }
 
 /// How a Kronecker factor is stored. Dense: the n × n symmetric matrix. Diagonal: its diagonal
@@ -104,10 +134,11 @@ enum class weight_sharing {
     reduce,
 };
 
-/// The weight sharing a kind is described with unless told otherwise: reduce for BatchNorm
-/// (the per-example gradient of its definition), expand for every other kind.
+/// The weight sharing a kind is described with unless told otherwise: reduce for the
+/// channels-second normalisations, BatchNorm, GroupNorm and InstanceNorm (the per-example
+/// gradient of their definition), expand for every other kind.
 [[nodiscard]] constexpr weight_sharing default_sharing(layer_kind k) noexcept {
-    return k == layer_kind::batch_norm ? weight_sharing::reduce : weight_sharing::expand;
+    return is_normalization(k) && !features_last(k) ? weight_sharing::reduce : weight_sharing::expand;
 }
 
 /// "expand" or "reduce".
@@ -214,16 +245,23 @@ struct layer_description {
 
 ///@{
 /// The scale-and-shift of a LayerNorm over `features` (C, the product of normalized_shape) or
-/// of a BatchNorm over `channels`, with a shift when `shift`. Rows of the curvature blocks:
-/// a LayerNorm's every row of [rows..., C] (weight sharing expand, as a Linear layer on
-/// tokens; `reduce` sums each example's positions, dimension 0 being the example); a
-/// BatchNorm's examples, each summing its spatial positions (weight sharing reduce: the
-/// per-example gradient of kfac-jax's definition; `expand` makes every position a row).
+/// of a BatchNorm, GroupNorm or (affine) InstanceNorm over `channels`, with a shift when
+/// `shift`. Rows of the curvature blocks: a LayerNorm's every row of [rows..., C] (weight
+/// sharing expand, as a Linear layer on tokens; `reduce` sums each example's positions,
+/// dimension 0 being the example); the channels-second kinds' examples, each summing its
+/// spatial positions (weight sharing reduce: the per-example gradient of kfac-jax's
+/// definition; `expand` makes every position a row).
 [[nodiscard]] inline layer_description layer_norm_description(std::int64_t features, bool shift) {
     return {layer_kind::layer_norm, features, features, shift, {}, weight_sharing::expand};
 }
 [[nodiscard]] inline layer_description batch_norm_description(std::int64_t channels, bool shift) {
     return {layer_kind::batch_norm, channels, channels, shift, {}, default_sharing(layer_kind::batch_norm)};
+}
+[[nodiscard]] inline layer_description group_norm_description(std::int64_t channels, bool shift) {
+    return {layer_kind::group_norm, channels, channels, shift, {}, default_sharing(layer_kind::group_norm)};
+}
+[[nodiscard]] inline layer_description instance_norm_description(std::int64_t channels, bool shift) {
+    return {layer_kind::instance_norm, channels, channels, shift, {}, default_sharing(layer_kind::instance_norm)};
 }
 ///@}
 

@@ -2,7 +2,8 @@
 #pragma once
 /// @file torch.hpp
 /// LibTorch adapter: K-FAC for the `torch::nn::Linear`, `Conv2d`, `Conv1d`, `Embedding`,
-/// `LayerNorm` and `BatchNorm1d/2d/3d` members of an existing model, with no change to the
+/// `LayerNorm`, `BatchNorm1d/2d/3d`, `GroupNorm` and (affine) `InstanceNorm1d/2d/3d` members of an
+/// existing model, with no change to the
 /// model or its hand-written `forward`. Optional: only
 /// this header needs LibTorch (CMake: `find_package(Torch)`, link `${TORCH_LIBRARIES}`); it is
 /// not included by `kfac/kfac.hpp`.
@@ -40,13 +41,17 @@
 /// * Embedding: `aten::embedding(weight, indices, ...)`, the call `EmbeddingImpl::forward`
 ///   makes; the indices are kept converted to the tracker's scalar type (token ids are exact
 ///   in it up to the preconditioner's limit, which it checks at registration);
-/// * LayerNorm, BatchNorm: `aten::layer_norm(input, normalized_shape, weight, bias, eps, ...)`
-///   and `aten::batch_norm(input, weight, bias, running_mean, running_var, training, momentum,
-///   eps, ...)`. K-FAC sees their affine part y = weight ⊙ x̂ + bias, so the activations are x̂,
-///   recomputed from the captured input as the operator normalised it (over the normalised
-///   dimensions, or over every dimension but the channels with the batch statistics in
-///   training, the running ones otherwise; biased variance, the call's eps), on factor-update
-///   steps only. A LayerNorm over several dimensions is seen as one over their product.
+/// * LayerNorm, BatchNorm, GroupNorm, InstanceNorm: `aten::layer_norm(input, normalized_shape,
+///   weight, bias, eps, ...)`, `aten::batch_norm(input, weight, bias, running_mean, running_var,
+///   training, momentum, eps, ...)`, `aten::group_norm(input, num_groups, weight, bias, eps,
+///   ...)` and `aten::instance_norm(input, weight, bias, running_mean, running_var,
+///   use_input_stats, momentum, eps, ...)`. K-FAC sees their affine part y = weight ⊙ x̂ + bias,
+///   so the activations are x̂, recomputed from the captured input as the operator normalised
+///   it (over the normalised dimensions; over every dimension but the channels with the batch
+///   statistics in training; over each example's groups of channels; over each example's
+///   positions of a channel; or by the running statistics it was given; biased variance, the
+///   call's eps), on factor-update steps only. A LayerNorm over several dimensions is seen as
+///   one over their product.
 ///
 /// The observer keeps that operator's input and registers a hook (`Tensor::register_hook`) on
 /// its output; when the backward pass reaches the hook, the pair (input, dloss/doutput) is one

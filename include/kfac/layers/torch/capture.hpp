@@ -24,6 +24,8 @@
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/functional/instancenorm.h>  // before the module, whose header uses it unincluded
+#include <torch/nn/modules/instancenorm.h>
 #include <torch/nn/modules/normalization.h>
 
 #include "kfac/config.hpp"
@@ -43,11 +45,13 @@ namespace detail {
 /// One application of a module: its input and the gradient of the loss w.r.t. its output,
 /// both contiguous; `problem` is set when the application cannot be used (said at step()).
 /// How a normalisation operator normalised its input: x̂ = (x − mean) / √(var + eps), the
-/// statistics over `dims` (biased variance) or, when `mean` is defined, BatchNorm's running
-/// statistics of the channels (dimension 1). `shape` is the views' shape: a LayerNorm's
+/// statistics over `dims` (biased variance), over each example's `groups` groups of channels
+/// (GroupNorm, when groups > 0) or, when `mean` is defined, the running statistics of the
+/// channels (dimension 1: BatchNorm, InstanceNorm). `shape` is the views' shape: a LayerNorm's
 /// normalised dimensions flattened into one.
 struct norm_call {
     std::vector<std::int64_t> dims;
+    std::int64_t groups = 0;
     double eps = 1e-5;
     at::Tensor mean, var;
     std::vector<std::int64_t> shape;
@@ -65,6 +69,11 @@ inline at::Tensor normalized_input(const at::Tensor& input, const norm_call& n) 
         channels[1] = x.size(1);
         mean = n.mean.reshape(channels).to(x.scalar_type());
         var = n.var.reshape(channels).to(x.scalar_type());
+    } else if (n.groups > 0) {  // [N, groups, channels of a group · spatial]
+        const at::Tensor grouped = x.reshape({x.size(0), n.groups, -1});
+        mean = grouped.mean({2}, /*keepdim=*/true);
+        var = (grouped - mean).square().mean({2}, /*keepdim=*/true);
+        return ((grouped - mean) * (var + n.eps).rsqrt()).reshape(n.shape).contiguous();
     } else {
         mean = x.mean(n.dims, /*keepdim=*/true);
         var = (x - mean).square().mean(n.dims, /*keepdim=*/true);
@@ -173,7 +182,21 @@ c10::ArrayRef<const c10::IValue> recorded_inputs(const at::RecordFunction& fn);
 template struct record_function_inputs<&at::RecordFunction::inputs_>;
 #endif
 
-enum class op_kind { none, transpose, addmm, matmul, mm, linear, conv2d, conv1d, embedding, layer_norm, batch_norm };
+enum class op_kind {
+    none,
+    transpose,
+    addmm,
+    matmul,
+    mm,
+    linear,
+    conv2d,
+    conv1d,
+    embedding,
+    layer_norm,
+    batch_norm,
+    group_norm,
+    instance_norm
+};
 
 /// The families of recognised operators, each with one handler: which tracked layers its calls
 /// apply (match() below), and what its arguments say (read_call() in operator_calls.hpp):
@@ -181,7 +204,8 @@ enum class op_kind { none, transpose, addmm, matmul, mm, linear, conv2d, conv1d,
 ///   linear     aten::addmm, matmul, mm of that transposed weight, or aten::linear
 ///   conv       aten::conv2d, conv1d: the call's geometry against the module's
 ///   embedding  aten::embedding
-///   norm       aten::layer_norm, batch_norm: how the call normalised its input
+///   norm       aten::layer_norm, batch_norm, group_norm, instance_norm: how the call normalised
+///              its input
 enum class op_family { none, transpose, linear, conv, embedding, norm };
 
 inline constexpr op_family family_of(op_kind k) noexcept {
@@ -195,7 +219,9 @@ inline constexpr op_family family_of(op_kind k) noexcept {
         case op_kind::conv1d: return op_family::conv;
         case op_kind::embedding: return op_family::embedding;
         case op_kind::layer_norm:
-        case op_kind::batch_norm: return op_family::norm;
+        case op_kind::batch_norm:
+        case op_kind::group_norm:
+        case op_kind::instance_norm: return op_family::norm;
         default: return op_family::none;
     }
 }
@@ -214,6 +240,8 @@ inline op_kind classify(const char* name) noexcept {
             if (std::strcmp(op, "linear") == 0) return op_kind::linear;
             return std::strcmp(op, "layer_norm") == 0 ? op_kind::layer_norm : op_kind::none;
         case 'b': return std::strcmp(op, "batch_norm") == 0 ? op_kind::batch_norm : op_kind::none;
+        case 'g': return std::strcmp(op, "group_norm") == 0 ? op_kind::group_norm : op_kind::none;
+        case 'i': return std::strcmp(op, "instance_norm") == 0 ? op_kind::instance_norm : op_kind::none;
         case 'e': return std::strcmp(op, "embedding") == 0 ? op_kind::embedding : op_kind::none;
         case 'c':
             if (std::strcmp(op, "conv2d") == 0) return op_kind::conv2d;
@@ -249,7 +277,20 @@ inline operand_positions positions(op_kind k) noexcept {
         case op_kind::embedding: return {1, 0, false};      // embedding(weight, indices, ...)
         case op_kind::layer_norm: return {0, 2, false};     // layer_norm(input, shape, weight, ...)
         case op_kind::batch_norm: return {0, 1, false};     // batch_norm(input, weight, ...)
+        case op_kind::group_norm: return {0, 2, false};     // group_norm(input, num_groups, weight, ...)
+        case op_kind::instance_norm: return {0, 1, false};  // instance_norm(input, weight, ...)
         default: return {0, 1, false};                      // linear/conv2d/conv1d(input, weight, ...)
+    }
+}
+
+/// The layer kind a normalisation operator applies (InstanceNorm's aten::instance_norm calls
+/// aten::batch_norm with the weight repeated per example, a tensor no module owns).
+inline constexpr layer_kind normalized_kind(op_kind k) noexcept {
+    switch (k) {
+        case op_kind::layer_norm: return layer_kind::layer_norm;
+        case op_kind::group_norm: return layer_kind::group_norm;
+        case op_kind::instance_norm: return layer_kind::instance_norm;
+        default: return layer_kind::batch_norm;
     }
 }
 
@@ -266,9 +307,7 @@ inline bool applies(const layer_state& l, op_kind kind, const at::TensorImpl* ke
         // read_call() records why.
         case op_family::conv: return is_convolution(l.description.kind) && own_weight;
         case op_family::embedding: return l.description.kind == layer_kind::embedding && own_weight;
-        case op_family::norm:
-            return l.description.kind == (kind == op_kind::layer_norm ? layer_kind::layer_norm : layer_kind::batch_norm) &&
-                   own_weight;
+        case op_family::norm: return l.description.kind == normalized_kind(kind) && own_weight;
         default: return false;
     }
 }

@@ -26,6 +26,8 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/embedding.h>
+#include <torch/nn/functional/instancenorm.h>  // before the module, whose header uses it unincluded
+#include <torch/nn/modules/instancenorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
@@ -162,8 +164,7 @@ template <class Impl>
 module_parts norm_parts(Impl& m, const char* type, layer_kind kind, std::int64_t channels) {
     at::Tensor* bias = m.bias.defined() ? &m.bias : nullptr;
     return {type, kind, &m.weight, bias, [channels, kind, with_bias = bias != nullptr](const std::string&) {
-                return kind == layer_kind::layer_norm ? layer_norm_description(channels, with_bias)
-                                                      : batch_norm_description(channels, with_bias);
+                return layer_description{kind, channels, channels, with_bias, {}, default_sharing(kind)};
             }, {}};
 }
 
@@ -201,10 +202,46 @@ struct module_entry<::torch::nn::BatchNorm3dImpl> {
     }
 };
 
+/// GroupNorm: x̂ normalised over each example's groups of channels; its affine part (when
+/// affine) one scale and shift per channel, as BatchNorm's.
+template <>
+struct module_entry<::torch::nn::GroupNormImpl> {
+    static constexpr const char* name = "GroupNorm";
+    static module_parts parts(::torch::nn::GroupNormImpl& m) {
+        return norm_parts(m, name, layer_kind::group_norm, m.options.num_channels());
+    }
+};
+
+/// InstanceNorm1d/2d/3d: x̂ normalised over each example's channel (or by the running
+/// statistics); affine (not LibTorch's default) gives it a scale and shift per channel.
+template <>
+struct module_entry<::torch::nn::InstanceNorm1dImpl> {
+    static constexpr const char* name = "InstanceNorm1d";
+    static module_parts parts(::torch::nn::InstanceNorm1dImpl& m) {
+        return norm_parts(m, name, layer_kind::instance_norm, m.options.num_features());
+    }
+};
+template <>
+struct module_entry<::torch::nn::InstanceNorm2dImpl> {
+    static constexpr const char* name = "InstanceNorm2d";
+    static module_parts parts(::torch::nn::InstanceNorm2dImpl& m) {
+        return norm_parts(m, name, layer_kind::instance_norm, m.options.num_features());
+    }
+};
+template <>
+struct module_entry<::torch::nn::InstanceNorm3dImpl> {
+    static constexpr const char* name = "InstanceNorm3d";
+    static module_parts parts(::torch::nn::InstanceNorm3dImpl& m) {
+        return norm_parts(m, name, layer_kind::instance_norm, m.options.num_features());
+    }
+};
+
 /// The module types the adapter takes, in the order a module is probed.
-using module_types = std::tuple<::torch::nn::LinearImpl, ::torch::nn::Conv2dImpl, ::torch::nn::Conv1dImpl,
-                                ::torch::nn::EmbeddingImpl, ::torch::nn::LayerNormImpl, ::torch::nn::BatchNorm1dImpl,
-                                ::torch::nn::BatchNorm2dImpl, ::torch::nn::BatchNorm3dImpl>;
+using module_types =
+    std::tuple<::torch::nn::LinearImpl, ::torch::nn::Conv2dImpl, ::torch::nn::Conv1dImpl, ::torch::nn::EmbeddingImpl,
+               ::torch::nn::LayerNormImpl, ::torch::nn::BatchNorm1dImpl, ::torch::nn::BatchNorm2dImpl,
+               ::torch::nn::BatchNorm3dImpl, ::torch::nn::GroupNormImpl, ::torch::nn::InstanceNorm1dImpl,
+               ::torch::nn::InstanceNorm2dImpl, ::torch::nn::InstanceNorm3dImpl>;
 
 template <class Impl, class Tuple>
 inline constexpr bool is_module_type = false;

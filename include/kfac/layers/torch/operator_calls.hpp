@@ -96,19 +96,25 @@ inline std::string conv_call_mismatch(const layer_state& l, c10::ArrayRef<const 
            "options.skip_layers";
 }
 
-/// How an aten::layer_norm or aten::batch_norm call normalises its input (its arguments are
-/// listed at positions()); a problem when they are not what the schema says.
+/// How an aten::layer_norm, batch_norm, group_norm or instance_norm call normalises its input
+/// (its arguments are listed at positions()); a problem when they are not what the schema says.
+///   layer_norm(input, normalized_shape, weight, bias, eps, ...)      the last dimensions
+///   group_norm(input, num_groups, weight, bias, eps, ...)            each example's groups
+///   batch_norm(input, weight, bias, mean, var, training, momentum, eps, ...)
+///   instance_norm(input, weight, bias, mean, var, use_input_stats, momentum, eps, ...)
+/// the last two over the batch's (BatchNorm) or each example's (InstanceNorm) positions of a
+/// channel, or by the running statistics the call was given.
 inline norm_call read_norm_call(op_kind kind, c10::ArrayRef<const c10::IValue> args, const layer_state& l,
                                 std::string& problem) {
     norm_call n;
     const at::Tensor& x = args[0].toTensor();
     const auto rank = static_cast<std::int64_t>(x.dim());
-    const bool layer_norm = kind == op_kind::layer_norm;
-    const std::size_t eps_at = layer_norm ? 4 : 7;
+    const bool layer_norm = kind == op_kind::layer_norm, group_norm = kind == op_kind::group_norm;
+    const std::size_t eps_at = layer_norm || group_norm ? 4 : 7;
     const bool readable = args.size() > eps_at && args[eps_at].isDouble() &&
-                          (layer_norm ? args[1].isIntList() : args[5].isBool());
+                          (layer_norm ? args[1].isIntList() : group_norm ? args[1].isInt() : args[5].isBool());
     if (!readable) {
-        problem = "torch adapter: " + l.who() + ": the arguments of aten::" + (layer_norm ? "layer_norm" : "batch_norm") +
+        problem = "torch adapter: " + l.who() + ": the arguments of aten::" + kind_name(normalized_kind(kind)) +
                   " are not those of its schema (this LibTorch's operator differs); leave the layer out with "
                   "options.skip_layers";
         return n;
@@ -120,8 +126,11 @@ inline norm_call read_norm_call(op_kind kind, c10::ArrayRef<const c10::IValue> a
         for (std::int64_t i = rank - normalized; i < rank; ++i) n.dims.push_back(i);
         n.shape.resize(static_cast<std::size_t>(rank - normalized));
         n.shape.push_back(l.description.out);
-    } else if (args[5].toBool() || !args[3].isTensor() || !args[4].isTensor()) {  // batch statistics
-        for (std::int64_t i = 0; i < rank; ++i)
+    } else if (group_norm) {
+        n.groups = args[1].toInt();
+    } else if (args[5].toBool() || !args[3].isTensor() || !args[4].isTensor()) {  // the call's own statistics
+        const std::int64_t first = kind == op_kind::instance_norm ? 2 : 0;  // InstanceNorm: per example
+        for (std::int64_t i = first; i < rank; ++i)
             if (i != 1) n.dims.push_back(i);
     } else {
         n.mean = args[3].toTensor().detach().clone();  // the buffers change with later training calls

@@ -154,8 +154,8 @@ tracked_modules<Scalar> track_modules(tracker<Scalar>& tracker, const Model& mod
     return {std::move(report), detail::tracker_access::adopt(tracker, std::move(states))};
 }
 
-/// Tracks and registers every torch::nn::Linear, Conv2d, Conv1d, Embedding, LayerNorm and
-/// BatchNorm1d/2d/3d of `model` (a
+/// Tracks and registers every torch::nn::Linear, Conv2d, Conv1d, Embedding, LayerNorm,
+/// BatchNorm1d/2d/3d, GroupNorm and InstanceNorm1d/2d/3d of `model` (a
 /// std::shared_ptr to a module or a module holder) that K-FAC can precondition, named as
 /// `model->named_modules()` names them ("conv1", "layer1.0.conv1", ...; a `prefix` "p" makes them
 /// "p.conv1", ...). All or nothing: every module is checked before any is tracked or registered,

@@ -63,8 +63,8 @@ struct tracker_access {
 };
 }  // namespace detail
 
-/// A tracked `torch::nn::Linear`, `Conv2d`, `Conv1d`, `Embedding`, `LayerNorm` or
-/// `BatchNorm1d/2d/3d`:
+/// A tracked `torch::nn::Linear`, `Conv2d`, `Conv1d`, `Embedding`, `LayerNorm`,
+/// `BatchNorm1d/2d/3d`, `GroupNorm` or `InstanceNorm1d/2d/3d`:
 /// what the preconditioner registers
 /// (through kfac::layer_traits). Owned by its tracker; only its tracker creates it.
 ///
@@ -197,7 +197,8 @@ public:
     tracker& operator=(const tracker&) = delete;
 
     /// Tracks a module (a holder: torch::nn::Linear, Conv2d, Conv1d, Embedding, LayerNorm,
-    /// BatchNorm1d/2d/3d; detail::module_types lists them) under `name`.
+    /// BatchNorm1d/2d/3d, GroupNorm, InstanceNorm1d/2d/3d; detail::module_types lists them)
+    /// under `name`.
     /// @throws kfac::error for a duplicate name or module, a frozen weight, a module not of
     ///         Scalar on the CPU or a CUDA device, padding 'same' that pads unevenly, a sparse or
     ///         scale_grad_by_freq Embedding, a normalisation module without affine parameters;
