@@ -63,23 +63,13 @@ struct nan_buffer {
     T* data() { return v.data(); }
 };
 
-/// An orthonormal basis (Gram–Schmidt of a random matrix).
-mat<T> random_basis(count_t dim, std::uint32_t seed) {
-    const auto v = random_vector<T>(static_cast<std::size_t>(dim * dim), seed);
-    mat<T> q = Eigen::Map<const mat<T>>(v.data(), dim, dim);
-    for (Eigen::Index j = 0; j < q.cols(); ++j) {
-        for (Eigen::Index k = 0; k < j; ++k) q.col(j) -= q.col(k).dot(q.col(j)) * q.col(k);
-        q.col(j) /= q.col(j).norm();
-    }
-    return q;
-}
-
 /// The device code's Ŝᵀ (beta·start + Ŝᵀ) and the CPU backend's, for the same views.
 struct both_results {
     mat<T> device, cpu;
 };
 both_results scalings(const kfac::layer_description& d, const views& a, const views& g, std::uint32_t seed, T beta) {
-    const mat<T> q_a = random_basis(d.a_dim(), seed), q_g = random_basis(d.g_dim(), seed + 1);
+    const mat<T> q_a = kfac_test::random_orthonormal<T>(d.a_dim(), seed);
+    const mat<T> q_g = kfac_test::random_orthonormal<T>(d.g_dim(), seed + 1);
     const auto start_values = random_vector<T>(static_cast<std::size_t>(d.a_dim() * d.g_dim()), seed + 2);
     const mat<T> start = beta == T(0) ? mat<T>::Constant(d.a_dim(), d.g_dim(), std::numeric_limits<T>::quiet_NaN())
                                       : mat<T>(Eigen::Map<const mat<T>>(start_values.data(), d.a_dim(), d.g_dim()));
@@ -218,7 +208,8 @@ TEST_CASE("EKFAC scaling on the device: a layer applied several times, against t
 TEST_CASE("EKFAC scaling on the device refuses what the CPU backend refuses", "[cuda][kernels][ekfac]") {
     const auto d = kfac::linear_description(4, 3, true);
     const auto x = random_vector<T>(4 * 4, 71), y = random_vector<T>(4 * 3, 72);
-    const mat<T> q_a = random_basis(d.a_dim(), 73), q_g = random_basis(d.g_dim(), 74);
+    const mat<T> q_a = kfac_test::random_orthonormal<T>(d.a_dim(), 73);
+    const mat<T> q_g = kfac_test::random_orthonormal<T>(d.g_dim(), 74);
     mat<T> s(d.a_dim(), d.g_dim());
     kfac::backend::device_ekfac::scratch<nan_buffer> ws;
     auto run = [&](const kfac::layer_description& desc, const views& a, const views& g, count_t q_a_dim) {

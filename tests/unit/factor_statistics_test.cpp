@@ -93,20 +93,6 @@ ekfac_example_gradients ekfac_conv_gradients(const kfac::layer_description& d, c
     return out;
 }
 
-/// An orthonormal basis, as the eigen method's are: a random matrix's columns by modified
-/// Gram–Schmidt. (Eigen's SelfAdjointEigenSolver would give one too, at about 5 s of compile
-/// time per scalar type; the kernel and the bound below take any Q_A, Q_G.)
-template <class T>
-mat<T> ekfac_random_basis(std::int64_t dim, std::uint32_t seed) {
-    const auto v = random_vector<T>(static_cast<std::size_t>(dim * dim), seed);
-    mat<T> q = Eigen::Map<const mat<T>>(v.data(), dim, dim);
-    for (Eigen::Index j = 0; j < q.cols(); ++j) {
-        for (Eigen::Index k = 0; k < j; ++k) q.col(j) -= q.col(k).dot(q.col(j)) * q.col(k);
-        q.col(j) /= q.col(j).norm();
-    }
-    return q;
-}
-
 /// Ŝᵀ of the definition (kfac/backend/detail/cpu_ekfac_scaling.hpp) in long double, and the
 /// bound on the rounding of any computation of it in T: each projected entry (Q_Aᵀ Γ_nᵀ Q_G) is a
 /// sum of k = A_dim + G_dim + R products of the inputs and the bases (k counting every sum the
@@ -301,7 +287,8 @@ TEMPLATE_TEST_CASE("EKFAC scaling of a Linear layer equals its per-example gradi
         const auto seed = static_cast<std::uint32_t>(100 + 10 * idx);
         const auto x = random_vector<T>(static_cast<std::size_t>(lc.n * lc.r * lc.in), seed);
         const auto g = random_vector<T>(static_cast<std::size_t>(lc.n * lc.r * lc.out), seed + 1, 0.1);
-        const mat<T> q_a = ekfac_random_basis<T>(d.a_dim(), seed + 2), q_g = ekfac_random_basis<T>(d.g_dim(), seed + 3);
+        const mat<T> q_a = kfac_test::random_orthonormal<T>(d.a_dim(), seed + 2);
+        const mat<T> q_g = kfac_test::random_orthonormal<T>(d.g_dim(), seed + 3);
         const std::vector<std::int64_t> xs = lc.r == 1 ? std::vector<std::int64_t>{lc.n, lc.in}
                                                        : std::vector<std::int64_t>{lc.n, lc.r, lc.in};
         const std::vector<std::int64_t> gs = lc.r == 1 ? std::vector<std::int64_t>{lc.n, lc.out}
@@ -345,7 +332,8 @@ TEMPLATE_TEST_CASE("EKFAC scaling of a convolution equals its per-example gradie
         const auto seed = static_cast<std::uint32_t>(200 + 10 * idx);
         const auto x = random_vector<T>(static_cast<std::size_t>(cc.n * cc.c * cc.h * cc.w), seed);
         const auto g = random_vector<T>(static_cast<std::size_t>(cc.n * cc.c_out * ho * wo), seed + 1, 0.1);
-        const mat<T> q_a = ekfac_random_basis<T>(d.a_dim(), seed + 2), q_g = ekfac_random_basis<T>(d.g_dim(), seed + 3);
+        const mat<T> q_a = kfac_test::random_orthonormal<T>(d.a_dim(), seed + 2);
+        const mat<T> q_g = kfac_test::random_orthonormal<T>(d.g_dim(), seed + 3);
         // The views as the statistics read them: a Conv1d's [N, C, L] with a unit axis.
         const auto xv = cc.conv1d ? kfac::tensor_view<const T>(x.data(), {cc.n, cc.c, cc.w})
                                   : kfac::tensor_view<const T>(x.data(), {cc.n, cc.c, cc.h, cc.w});
@@ -384,7 +372,8 @@ TEMPLATE_TEST_CASE("EKFAC scaling of a layer applied several times sums each exa
         const auto g0 = random_vector<T>(static_cast<std::size_t>(n * r0 * d.out), 402, 0.1);
         const auto x1 = random_vector<T>(static_cast<std::size_t>(n * r1 * d.in), 403);
         const auto g1 = random_vector<T>(static_cast<std::size_t>(n * r1 * d.out), 404, 0.1);
-        const mat<T> q_a = ekfac_random_basis<T>(d.a_dim(), 405), q_g = ekfac_random_basis<T>(d.g_dim(), 406);
+        const mat<T> q_a = kfac_test::random_orthonormal<T>(d.a_dim(), 405);
+        const mat<T> q_g = kfac_test::random_orthonormal<T>(d.g_dim(), 406);
         mat<T> s;
         kfac::backend::detail::ekfac_scaling_scratch<T> ws;
         kfac::backend::detail::accumulate_ekfac_scaling(
@@ -419,7 +408,8 @@ TEMPLATE_TEST_CASE("EKFAC scaling of a layer applied several times sums each exa
         const auto g0 = random_vector<T>(static_cast<std::size_t>(n * d.out * out(h0) * out(w0)), 412, 0.1);
         const auto x1 = random_vector<T>(static_cast<std::size_t>(n * d.in * h1 * w1), 413);
         const auto g1 = random_vector<T>(static_cast<std::size_t>(n * d.out * out(h1) * out(w1)), 414, 0.1);
-        const mat<T> q_a = ekfac_random_basis<T>(d.a_dim(), 415), q_g = ekfac_random_basis<T>(d.g_dim(), 416);
+        const mat<T> q_a = kfac_test::random_orthonormal<T>(d.a_dim(), 415);
+        const mat<T> q_g = kfac_test::random_orthonormal<T>(d.g_dim(), 416);
         mat<T> s;
         kfac::backend::detail::ekfac_scaling_scratch<T> ws;
         kfac::backend::detail::accumulate_ekfac_scaling(
@@ -436,7 +426,8 @@ TEMPLATE_TEST_CASE("EKFAC scaling of a layer applied several times sums each exa
         const auto d = kfac::linear_description(4, 3, true);
         const auto x = random_vector<T>(static_cast<std::size_t>(n * 2 * d.in), 421);
         const auto g = random_vector<T>(static_cast<std::size_t>(n * 2 * d.out), 422, 0.1);
-        const mat<T> q_a = ekfac_random_basis<T>(d.a_dim(), 423), q_g = ekfac_random_basis<T>(d.g_dim(), 424);
+        const mat<T> q_a = kfac_test::random_orthonormal<T>(d.a_dim(), 423);
+        const mat<T> q_g = kfac_test::random_orthonormal<T>(d.g_dim(), 424);
         const kfac::tensor_view<const T> xv(x.data(), {n, 2, d.in}), gv(g.data(), {n, 2, d.out});
         mat<T> one, many;
         kfac::backend::detail::ekfac_scaling_scratch<T> ws;

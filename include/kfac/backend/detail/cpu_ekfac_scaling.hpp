@@ -264,18 +264,11 @@ void accumulate_ekfac_scaling(Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynam
     using matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
     using rows_map = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
     using statistics = cpu_statistics<Scalar>;
-    if (a.empty() || a.size() != g.size())
-        throw error("EKFAC's scaling of several applications got " + std::to_string(a.size()) + " activations and " +
-                    std::to_string(g.size()) + " output gradients: pass one of each per application, at least one");
+    check_ekfac_application_count(a.size(), g.size());
     if (a.size() == 1) return accumulate_ekfac_scaling(s_t, d, a[0], g[0], q_a, q_g, beta, ws);
     check_ekfac_operands(s_t, d, q_a, q_g, beta);
     const index cols = d.weight_columns(), a_dim = d.a_dim(), g_dim = d.g_dim();
-    const index n = kfac::detail::examples_in(d, a[0]);
-    for (std::size_t k = 1; k < a.size(); ++k)
-        if (kfac::detail::examples_in(d, a[k]) != n)
-            throw error("EKFAC's scaling: application " + std::to_string(k) + " holds " +
-                        std::to_string(kfac::detail::examples_in(d, a[k])) + " examples, application 0 " +
-                        std::to_string(n) + "; an example's gradient sums its applications, which need the same examples");
+    const index n = common_examples(d, a);
     if (beta == Scalar(0)) s_t = matrix::Zero(a_dim, g_dim);
     else s_t *= beta;
     if (n == 0) return;

@@ -130,17 +130,10 @@ void accumulate_scaling(T* s_t, index sum_rows, index sum_cols, const layer_desc
                         const std::vector<tensor_view<const T>>& a, const std::vector<tensor_view<const T>>& g,
                         const T* q_a, index q_a_rows, index q_a_cols, const T* q_g, index q_g_rows, index q_g_cols,
                         T beta, scratch<Buffer>& ws) {
-    if (a.empty() || a.size() != g.size())
-        throw error("EKFAC's scaling of several applications got " + std::to_string(a.size()) + " activations and " +
-                    std::to_string(g.size()) + " output gradients: pass one of each per application, at least one");
+    detail::check_ekfac_application_count(a.size(), g.size());
     detail::check_ekfac_operands(d, q_a_rows, q_a_cols, q_g_rows, q_g_cols, sum_rows, sum_cols, beta != T(0));
     const index cols = d.weight_columns(), a_dim = d.a_dim(), g_dim = d.g_dim(), out = d.out;
-    const index n = kfac::detail::examples_in(d, a[0]);
-    for (std::size_t k = 1; k < a.size(); ++k)
-        if (kfac::detail::examples_in(d, a[k]) != n)
-            throw error("EKFAC's scaling: application " + std::to_string(k) + " holds " +
-                        std::to_string(kfac::detail::examples_in(d, a[k])) + " examples, application 0 " +
-                        std::to_string(n) + "; an example's gradient sums its applications, which need the same examples");
+    const index n = detail::common_examples(d, a);
     auto policy = Library::policy();
     if (beta == T(0)) kernels::fill(policy, s_t, a_dim * g_dim, T(0));
     else kernels::scale(policy, s_t, a_dim * g_dim, beta);

@@ -6,11 +6,15 @@
 /// statistic is defined for, the shapes of its operands, and which of the two product orders
 /// costs less.
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kfac/config.hpp"
+#include "kfac/detail/statistics_views.hpp"
 #include "kfac/layers/layer_description.hpp"
+#include "kfac/layers/tensor_view.hpp"
 
 namespace kfac::backend::detail {
 
@@ -47,6 +51,28 @@ inline void check_ekfac_operands(const layer_description& d, std::int64_t q_a_ro
                     ", Q_G " + std::to_string(q_g_rows) + "x" + std::to_string(q_g_cols) + " and a sum " +
                     std::to_string(sum_rows) + "x" + std::to_string(sum_cols) +
                     ": pass the layer's current eigenbases and an A_dim x G_dim sum");
+}
+
+/// Throws unless there is one activation view and one output-gradient view per application, at
+/// least one.
+inline void check_ekfac_application_count(std::size_t activations, std::size_t output_gradients) {
+    if (activations == 0 || activations != output_gradients)
+        throw error("EKFAC's scaling of several applications got " + std::to_string(activations) +
+                    " activations and " + std::to_string(output_gradients) +
+                    " output gradients: pass one of each per application, at least one");
+}
+
+/// The examples every application's activations `a` hold (an example's gradient sums its
+/// applications, which need the same examples); throws when they differ.
+template <class T>
+std::int64_t common_examples(const layer_description& d, const std::vector<tensor_view<const T>>& a) {
+    const std::int64_t n = kfac::detail::examples_in(d, a[0]);
+    for (std::size_t k = 1; k < a.size(); ++k)
+        if (kfac::detail::examples_in(d, a[k]) != n)
+            throw error("EKFAC's scaling: application " + std::to_string(k) + " holds " +
+                        std::to_string(kfac::detail::examples_in(d, a[k])) + " examples, application 0 " +
+                        std::to_string(n) + "; an example's gradient sums its applications, which need the same examples");
+    return n;
 }
 
 }  // namespace kfac::backend::detail
